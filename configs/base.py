@@ -1,0 +1,130 @@
+"""Base configuration: every knob of sao_jax, with its default and a one-line comment.
+
+Task configs (`configs/arith.py`, `configs/imo.py`, ...) start from `get_config()` here and override.
+Ablations are flags: `--config.algo.clip_mode=ppo`. `sao_jax.config_lib.validate` checks a config at start
+and names the offending field.
+
+Usage: `python -m sao_jax.main --config=configs/base.py[:arg]`.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """Returns the default SAO config. `arg` (after `:` on the command line) is unused here."""
+  del arg
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # Global seed: params init, sampling, data order.
+  c.workdir = ''  # Output dir (checkpoints, metrics); the --workdir flag overrides it when given.
+
+  # ---- Algorithm: which RL objective, and its loss / advantage settings.
+  c.algo = a = ml_collections.ConfigDict()
+  a.name = 'sao'  # One of: sao, ppo, grpo, dr_grpo, dapo, gspo, rloo.
+  a.clip_mode = 'double_side'  # Policy ratio handling: double_side (SAO), ppo, dual_clip, gspo.
+  a.eps_low = 0.3  # Lower band: tokens with ratio <= 1 - eps_low are cut (SAO math: 0.3; agentic: 0.8).
+  a.eps_high = 5.0  # Upper band: tokens with ratio >= 1 + eps_high are cut (SAO math: 5.0; agentic: 3.0).
+  a.dual_clip_c = 3.0  # dual_clip only: lower bound c*A on the surrogate for negative advantages (c > 1).
+  a.agg = 'token_mean'  # Loss aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum.
+  a.agg_max_len = 0  # seq_mean_token_sum divisor (Dr.GRPO constant); 0 = the padded sequence length T.
+  a.behavior_correction = 'none'  # Decoupled PPO (needs proximal log-probs): none, tis, icepop.
+  a.tis_cap = 2.0  # tis: cap C on the behaviour weight pi_prox / pi_behavior.
+  a.icepop_low = 0.5  # icepop: behaviour weights below this are masked to 0.
+  a.icepop_high = 2.0  # icepop: behaviour weights above this are masked to 0.
+  a.gamma = 1.0  # Discount of the token-level MDP.
+  a.lam_critic = 1.0  # GAE lambda for the critic's value targets (SAO: 1, Monte Carlo returns).
+  a.lam_policy = -1.0  # GAE lambda for policy advantages; < 0 means length-adaptive 1 - 1/(alpha * len).
+  a.adaptive_alpha = 1.5  # alpha of the length-adaptive lambda.
+  a.whiten_advantages = False  # Masked whitening of advantages over the batch's action tokens.
+  a.advantages_from = 'updated_critic'  # SAO order: 'updated_critic' (after K critic updates) or 'pre_update'.
+  a.critic_epochs = 2  # K: critic updates per policy update, on fixed returns.
+  a.critic_warmup_steps = 10  # Learner steps that train the critic only, before the policy moves.
+  a.value_clip_eps = 0.0  # > 0 enables PPO-style value clipping (a baseline option, not SAO).
+  a.truncation = 'bootstrap'  # Trajectory cut by a length/turn limit: 'bootstrap' from V(last) or 'drop'.
+  a.group_size = 1  # Rollouts per prompt: 1 for SAO/PPO, G > 1 for the group baselines.
+  a.group_std_normalize = True  # Group baselines: divide by the group's reward std (GRPO) or not (Dr.GRPO).
+  a.group_baseline = 'mean'  # Group baselines: 'mean' (GRPO) or 'leave_one_out' (RLOO).
+  a.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal (zero advantage).
+  a.kl_coef = 0.0  # Coefficient of the KL penalty to the reference policy (0 = off, no reference model).
+  a.kl_estimator = 'k3'  # KL estimator for the penalty: k1, k2, k3.
+  a.entropy_coef = 0.0  # Entropy bonus coefficient (0 = off).
+
+  # ---- Optimizers (actor and critic have their own).
+  c.optim = o = ml_collections.ConfigDict()
+  o.actor_lr = 1e-6  # Peak learning rate of the policy (SAO: 1e-6).
+  o.critic_lr = 5e-6  # Peak learning rate of the value model (SAO: 5e-6).
+  o.schedule = 'constant'  # After warmup: constant or cosine (decay to lr * end_lr_factor).
+  o.warmup_steps = 0  # Linear learning-rate warmup, in optimizer steps.
+  o.total_steps = 1000  # Horizon of the cosine schedule, in optimizer steps.
+  o.end_lr_factor = 0.1  # Cosine schedule floor as a fraction of the peak.
+  o.b1 = 0.9  # AdamW beta1.
+  o.b2 = 0.999  # AdamW beta2.
+  o.eps = 1e-8  # AdamW epsilon.
+  o.weight_decay = 0.0  # AdamW decoupled weight decay.
+  o.grad_clip = 1.0  # Global-norm gradient clipping (0 = off).
+  o.freeze_critic_attention = True  # SAO: critic attention weights get no gradient and no optimizer state.
+  o.max_consecutive_skips = 5  # Stop the run after this many consecutive non-finite updates.
+
+  # ---- Model.
+  c.model = m = ml_collections.ConfigDict()
+  m.name = 'tiny'  # Named config (tiny, smollm2-135m, qwen2.5-0.5b, qwen3-0.6b, llama3.2-1b) or 'hf'.
+  m.hf_dir = ''  # HF checkpoint directory (config.json, safetensors, tokenizer.json) to load weights from.
+  m.dtype = 'float32'  # Compute dtype: float32 or bfloat16 (params stay float32).
+  m.tokenizer = 'char'  # 'char' (synthetic tasks) or 'hf' (tokenizer.json of hf_dir).
+  m.remat = False  # Rematerialise decoder blocks in the backward pass (saves memory).
+
+  # ---- Sampler (actor side generation).
+  c.sampler = s = ml_collections.ConfigDict()
+  s.temperature = 1.0  # Sampling temperature (SAO's ratio needs 1.0 unless sampling log-probs are recorded).
+  s.top_p = 1.0  # Nucleus sampling threshold (1.0 = off).
+  s.top_k = 0  # Top-k cut (0 = off).
+  s.max_new_tokens = 64  # Budget of generated tokens per turn.
+  s.max_seq_len = 256  # Budget of the whole episode (prompt + actions + observations), in tokens.
+  s.prompt_buckets = (32, 64, 128, 256)  # Prompt lengths are padded up to one of these (bounded compiles).
+  s.batch_size = 16  # Prompts generated together in one sampler call.
+  s.num_threads = 1  # Host sampler threads (async mode).
+
+  # ---- Task / environment.
+  c.task = t = ml_collections.ConfigDict()
+  t.name = 'arith'  # Registered task: arith, calculator, code, math, drift.
+  t.max_turns = 1  # Turn limit of a multi-turn episode.
+  t.eval_size = 64  # Held-out examples in the eval set.
+  t.kwargs = ml_collections.ConfigDict()  # Task-specific options (difficulty, data files, field names).
+
+  # ---- Device mesh and sharding.
+  c.mesh = ms = ml_collections.ConfigDict()
+  ms.data = 1  # Size of the data-parallel axis (-1 = all remaining devices).
+  ms.fsdp = -1  # Size of the fully-sharded data-parallel axis (-1 = all remaining devices).
+  ms.tensor = 1  # Size of the tensor-parallel axis.
+  ms.rules = (  # Logical axis name -> mesh axis (or None = replicated).
+      ('batch', ('data', 'fsdp')),
+      ('embed', 'fsdp'),
+      ('vocab', 'tensor'),
+      ('heads', 'tensor'),
+      ('kv_heads', 'tensor'),
+      ('mlp', 'tensor'),
+      ('head_dim', None),
+      ('layers', None),
+      ('norm', None),
+  )
+
+  # ---- Multi-host.
+  c.distributed = d = ml_collections.ConfigDict()
+  d.coordinator_address = ''  # host:port of process 0; '' = single process (or auto-detected on TPU).
+  d.num_processes = 1  # Total number of processes.
+  d.process_id = 0  # This process's index.
+
+  # ---- Trainer (actor-learner loop).
+  c.trainer = tr = ml_collections.ConfigDict()
+  tr.mode = 'async'  # 'sync' (generate then train, on-policy) or 'async' (sampler threads + queue).
+  tr.batch_size = 16  # Trajectories per learner step.
+  tr.minibatch_size = 0  # Trajectories per optimizer step inside a learner step (0 = whole batch).
+  tr.policy_epochs = 1  # Passes of policy updates over a batch.
+  tr.num_steps = 100  # Learner steps to run.
+  tr.max_staleness = 4  # Drop trajectories whose params version lags the learner by more than this.
+  tr.queue_size = 64  # Bound of the trajectory queue (sampler blocks when full).
+  tr.seq_buckets = (128, 256, 512, 1024)  # Packed batch lengths are padded up to one of these.
+  tr.log_every = 1  # Learner steps between metric logs.
+  tr.eval_every = 0  # Learner steps between evals (0 = off).
+  tr.checkpoint_every = 50  # Learner steps between checkpoints (0 = off).
+  tr.keep_checkpoints = 3  # Checkpoints kept on disk.
+  return c

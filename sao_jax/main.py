@@ -1,0 +1,43 @@
+"""Entry point: `python -m sao_jax.main --config=configs/arith.py [--config.algo.clip_mode=ppo] --workdir=DIR`.
+
+Only parses flags, checks the config and hands it to the trainer.
+"""
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from sao_jax import config_lib
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'Config file, e.g. configs/arith.py (optionally `:arg`).', lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory (checkpoints, metrics). Overrides config.workdir.')
+_DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Print the resolved, validated config and exit.')
+
+flags.mark_flags_as_required(['config'])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  config = _CONFIG.value
+  if _WORKDIR.value is not None:
+    with config.unlocked():
+      config.workdir = _WORKDIR.value
+  config_lib.validate(config)
+  if _DRY_RUN.value:
+    print(config)
+    return
+  logging.info('Config:\n%s', config)
+  try:
+    from sao_jax import trainer  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise SystemExit(
+        'sao_jax.trainer is not built yet: the actor-learner loop is a later issue. '
+        'Use --dry_run to check a config.') from e
+  trainer.run(config)
+
+
+if __name__ == '__main__':
+  app.run(main)
