@@ -3,6 +3,8 @@
 Only parses flags, checks the config and hands it to the trainer.
 """
 
+import sys
+
 from absl import app
 from absl import flags
 from absl import logging
@@ -25,7 +27,10 @@ def main(argv):
   if _WORKDIR.value is not None:
     with config.unlocked():
       config.workdir = _WORKDIR.value
-  config_lib.validate(config)
+  try:
+    config_lib.validate(config)
+  except config_lib.ConfigError as e:
+    sys.exit(f'FATAL bad config: {e}')
   if _DRY_RUN.value:
     print(config)
     return
@@ -39,5 +44,24 @@ def main(argv):
   trainer.run(config)
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing; a config override naming no existing field becomes a one-line error naming it."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    sys.exit(f'FATAL flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.')
+  except (AttributeError, KeyError) as e:  # ml_collections: override of a field that does not exist.
+    while e.args and isinstance(e.args[0], BaseException):  # AttributeError(KeyError(...)) -> innermost.
+      e = e.args[0]
+    detail = ' '.join(str(e.args[0] if e.args else e).split())
+    overrides = [a.split('=')[0] for a in argv[1:] if a.startswith('--config.')]
+    bad = [o for o in overrides if detail.split()[0].strip('\'"') in o.split('.')]
+    sys.exit(f'FATAL config override {bad[0] if bad else ""} names no config field: {detail}')
+
+
+def run() -> None:
+  app.run(main, flags_parser=_parse_flags)
+
+
 if __name__ == '__main__':
-  app.run(main)
+  run()
