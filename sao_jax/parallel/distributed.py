@@ -1,0 +1,129 @@
+"""Multi-host: `jax.distributed` start-up, process roles, and feeding each process's slice of a batch.
+
+On a pod every process runs the same program; each one reads its own share of the data and the
+learner's SPMD program sees one global array (`jax.make_array_from_process_local_data`). Logs and
+checkpoint writes that must happen once are gated by `is_main_process()`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import Mesh, NamedSharding
+
+from sao_jax.config_lib import ConfigError
+from sao_jax.parallel import sharding as sharding_lib
+
+ENV_COORDINATOR = 'SAO_COORDINATOR_ADDRESS'
+ENV_NUM_PROCESSES = 'SAO_NUM_PROCESSES'
+ENV_PROCESS_ID = 'SAO_PROCESS_ID'
+
+_initialized = False
+
+
+def initialize(distributed_config: Any | None = None, *, timeout_s: int = 300) -> bool:
+  """Starts `jax.distributed` when more than one process is configured; a no-op otherwise.
+
+  Sources, first found wins: `config.distributed` (`coordinator_address`, `num_processes`,
+  `process_id`), then the env vars `SAO_COORDINATOR_ADDRESS`, `SAO_NUM_PROCESSES`, `SAO_PROCESS_ID`.
+  Must run before anything touches a JAX device.
+
+  Returns:
+    True when this call (or an earlier one) set up a multi-process run.
+
+  Raises:
+    ConfigError: naming `config.distributed.*` for an inconsistent setting.
+  """
+  global _initialized
+  if _initialized:
+    return True
+  cfg = distributed_config
+  address = (cfg.coordinator_address if cfg is not None else '') or os.environ.get(ENV_COORDINATOR, '')
+  num = int(cfg.num_processes if cfg is not None and cfg.num_processes != 1
+            else os.environ.get(ENV_NUM_PROCESSES, 1))
+  pid = int(cfg.process_id if cfg is not None and cfg.process_id != 0
+            else os.environ.get(ENV_PROCESS_ID, 0))
+  if num < 1:
+    raise ConfigError(f'config.distributed.num_processes={num}: must be >= 1.')
+  if not 0 <= pid < num:
+    raise ConfigError(f'config.distributed.process_id={pid}: must be in [0, num_processes={num}).')
+  if num == 1:
+    return False
+  if not address:
+    raise ConfigError(f'config.distributed.num_processes={num} needs config.distributed.coordinator_address '
+                      f'(host:port of process 0) or ${ENV_COORDINATOR}.')
+  logging.info('jax.distributed.initialize(%s, num_processes=%d, process_id=%d)', address, num, pid)
+  jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid,
+                             initialization_timeout=timeout_s)
+  _initialized = True
+  return True
+
+
+def is_main_process() -> bool:
+  """True on process 0: the one that logs metrics and writes checkpoints' metadata."""
+  return jax.process_index() == 0
+
+
+def process_count() -> int:
+  return jax.process_count()
+
+
+def local_row_range(global_rows: int, mesh: Mesh) -> tuple[int, int]:
+  """Rows `[start, stop)` of a global batch this process feeds, from the batch sharding's device map.
+
+  The rows a process owns are contiguous for a `('data', 'fsdp')` row sharding over a mesh built by
+  `make_mesh` (each process's devices are adjacent); anything else is refused with a clear error.
+  """
+  sharding = sharding_lib.batch_sharding(mesh, 1)
+  rows = set()
+  for index in sharding.addressable_devices_indices_map((global_rows,)).values():
+    sl = index[0]
+    rows.update(range(*sl.indices(global_rows)))
+  start, stop = min(rows), max(rows) + 1
+  if len(rows) != stop - start:
+    raise ValueError(f'process {jax.process_index()} owns non-contiguous rows of the batch; build the mesh '
+                     'with sao_jax.parallel.make_mesh so each process holds a contiguous block.')
+  return start, stop
+
+
+def global_batch(local_batch: Any, mesh: Mesh, global_rows: int) -> Any:
+  """One global, row-sharded array per leaf from each process's local rows (numpy).
+
+  Args:
+    local_batch: pytree (e.g. `sao_jax.types.Batch` of numpy arrays) holding this process's rows
+      `local_row_range(global_rows, mesh)`, in order.
+    mesh: the learner mesh.
+    global_rows: rows of the whole batch across processes.
+
+  Returns:
+    The same pytree of global `jax.Array`s sharded with `batch_sharding`.
+  """
+  start, stop = local_row_range(global_rows, mesh)
+
+  def one(x):
+    x = np.asarray(x)
+    if x.shape[0] != stop - start:
+      raise ValueError(f'process {jax.process_index()} must feed rows [{start}, {stop}) of the global batch '
+                       f'({stop - start} rows), got a leaf with {x.shape[0]} rows.')
+    sharding = NamedSharding(mesh, sharding_lib.batch_spec(x.ndim))
+    return jax.make_array_from_process_local_data(sharding, x, (global_rows,) + x.shape[1:])
+
+  return jax.tree.map(one, local_batch)
+
+
+def to_host(tree: Any) -> Any:
+  """Numpy copy of a tree of global arrays on every host (replicated ones read locally, others gathered)."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  def one(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return np.asarray(jax.device_get(x))
+    if x.is_fully_replicated:
+      return np.asarray(x.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+  return jax.tree.map(one, tree)

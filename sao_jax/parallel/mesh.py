@@ -1,0 +1,133 @@
+"""Device mesh from the config, and the layout checks that must pass before anything is sharded.
+
+The mesh has three named axes (MaxText / big_vision convention):
+
+- `data`: pure data parallelism (parameters replicated along it);
+- `fsdp`: data parallelism with parameters and optimizer states sharded along it (ZeRO-3 style);
+- `tensor`: tensor (model) parallelism inside a layer (heads, MLP hidden, vocab).
+
+Batches are split over `('data', 'fsdp')`, so `data * fsdp` must divide the number of rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from sao_jax.config_lib import ConfigError
+
+MESH_AXES = ('data', 'fsdp', 'tensor')
+BATCH_AXES = ('data', 'fsdp')
+
+
+def mesh_shape(mesh_config: Any, num_devices: int) -> tuple[int, int, int]:
+  """Resolves `config.mesh` (`data`, `fsdp`, `tensor`; one may be -1 = the rest) to concrete sizes.
+
+  Args:
+    mesh_config: `config.mesh` (anything with `data`, `fsdp`, `tensor` attributes or keys).
+    num_devices: devices the mesh must cover exactly (all devices of all processes).
+
+  Returns:
+    `(data, fsdp, tensor)` whose product is `num_devices`.
+
+  Raises:
+    ConfigError: naming `config.mesh.<axis>` when the sizes cannot cover the devices.
+  """
+  sizes = {axis: int(_field(mesh_config, axis)) for axis in MESH_AXES}
+  for axis, size in sizes.items():
+    if size == 0 or size < -1:
+      raise ConfigError(f'config.mesh.{axis}={size}: must be >= 1 or -1 (the rest of the devices).')
+  free = [axis for axis, size in sizes.items() if size == -1]
+  if len(free) > 1:
+    raise ConfigError(f'config.mesh: at most one of data/fsdp/tensor may be -1, got {sizes}.')
+  fixed = math.prod(size for size in sizes.values() if size != -1)
+  if free:
+    if num_devices % fixed:
+      raise ConfigError(
+          f'config.mesh.{free[0]}=-1: the other axes ({sizes}) use {fixed} devices, which does not divide '
+          f'the {num_devices} available devices.')
+    sizes[free[0]] = num_devices // fixed
+  elif fixed > num_devices:
+    raise ConfigError(
+        f'config.mesh={sizes} needs {fixed} devices but only {num_devices} exist '
+        f'(jax.device_count()); shrink config.mesh.data/fsdp/tensor.')
+  elif fixed != num_devices:
+    raise ConfigError(
+        f'config.mesh={sizes} covers {fixed} of the {num_devices} devices; the mesh must use all of them '
+        '(set one axis to -1 to take the rest).')
+  return sizes['data'], sizes['fsdp'], sizes['tensor']
+
+
+def make_mesh(mesh_config: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds the `('data', 'fsdp', 'tensor')` mesh over `devices` (default: all devices of all processes).
+
+  Axes are `AxisType.Auto` (GSPMD propagation from the jit's in/out shardings). `jax.make_mesh` picks a
+  topology-aware device order; the `tensor` axis is innermost so tensor-parallel collectives stay on
+  neighbouring devices (and inside one host when it fits).
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_shape(mesh_config, len(devices))
+  axis_types = (AxisType.Auto,) * len(MESH_AXES)
+  if len(devices) == jax.device_count() and devices == list(jax.devices()):
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types)
+  return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES, axis_types=axis_types)
+
+
+def batch_divisor(mesh: Mesh) -> int:
+  """Number of shards a batch's rows are split into (`data * fsdp`)."""
+  return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+
+
+def check_layout(config: Any, mesh: Mesh, model_config: Any | None = None) -> None:
+  """Refuses layouts that cannot work, naming the config fields.
+
+  Checks: `trainer.batch_size` (and `trainer.minibatch_size`) divisible by `data * fsdp`;
+  attention heads and kv heads divisible by the mesh axis their logical names map to (`tensor` by
+  default) when the model config is given.
+
+  Raises:
+    ConfigError: naming the fields.
+  """
+  shards = batch_divisor(mesh)
+  tr = config.trainer
+  if tr.batch_size % shards:
+    raise ConfigError(
+        f'config.trainer.batch_size={tr.batch_size} is not divisible by config.mesh.data * config.mesh.fsdp '
+        f'= {mesh.shape["data"]} * {mesh.shape["fsdp"]} = {shards} (rows are split over those axes).')
+  if tr.minibatch_size and tr.minibatch_size % shards:
+    raise ConfigError(
+        f'config.trainer.minibatch_size={tr.minibatch_size} is not divisible by config.mesh.data * '
+        f'config.mesh.fsdp = {shards}: every minibatch is split over those axes.')
+  if model_config is None:
+    return
+  rules = dict(config.mesh.rules)
+  for logical, field in (('heads', 'num_heads'), ('kv_heads', 'num_kv_heads')):
+    axes = _as_tuple(rules.get(logical))
+    size = math.prod(mesh.shape[a] for a in axes) if axes else 1
+    count = getattr(model_config, field)
+    if count % size:
+      raise ConfigError(
+          f'model {field}={count} is not divisible by config.mesh.{"*".join(axes)}={size} '
+          f"(config.mesh.rules maps '{logical}' to {axes}); change config.mesh.tensor or the rule.")
+
+
+def _as_tuple(value: Any) -> tuple[str, ...]:
+  if value is None:
+    return ()
+  if isinstance(value, str):
+    return (value,)
+  return tuple(value)
+
+
+def _field(obj: Any, name: str) -> Any:
+  if isinstance(obj, dict):
+    return obj[name]
+  try:
+    return obj[name]
+  except (TypeError, KeyError):
+    return getattr(obj, name)

@@ -1,0 +1,160 @@
+"""Tests for sao_jax.parallel: mesh sizes, logical rules -> shardings, batch layout, layout errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl.testing import absltest, parameterized
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from configs import base
+from sao_jax import parallel
+from sao_jax.config_lib import ConfigError
+
+
+class _Toy(nnx.Module):
+  """A module whose params carry logical axis names like the real decoder's."""
+
+  def __init__(self, rngs):
+    init = nnx.initializers.normal(0.02)
+    self.embed = nnx.Param(nnx.with_partitioning(init, ('vocab', 'embed'))(rngs.params(), (64, 32)))
+    self.up = nnx.Param(nnx.with_partitioning(init, ('embed', 'mlp'))(rngs.params(), (32, 48)))
+    self.heads = nnx.Param(nnx.with_partitioning(init, ('embed', 'heads', 'head_dim'))(rngs.params(), (32, 4, 8)))
+    self.odd = nnx.Param(nnx.with_partitioning(init, ('embed', 'mlp'))(rngs.params(), (32, 5)))
+    self.scale = nnx.Param(jnp.ones((32,)))
+
+
+def _toy():
+  with nnx.use_eager_sharding(False):
+    return _Toy(nnx.Rngs(0))
+
+
+def _cfg(**mesh):
+  c = base.get_config()
+  for k, v in mesh.items():
+    c.mesh[k] = v
+  return c
+
+
+class MeshTest(parameterized.TestCase):
+
+  def test_eight_devices(self):
+    self.assertEqual(jax.device_count(), 8)
+
+  @parameterized.parameters(
+      (dict(data=1, fsdp=-1, tensor=1), (1, 8, 1)),
+      (dict(data=2, fsdp=-1, tensor=2), (2, 2, 2)),
+      (dict(data=-1, fsdp=1, tensor=4), (2, 1, 4)),
+      (dict(data=1, fsdp=4, tensor=2), (1, 4, 2)),
+  )
+  def test_shape(self, sizes, expected):
+    self.assertEqual(parallel.mesh_shape(sizes, 8), expected)
+    mesh = parallel.make_mesh(sizes)
+    self.assertEqual(tuple(mesh.shape.values()), expected)
+    self.assertEqual(mesh.axis_names, parallel.MESH_AXES)
+
+  @parameterized.parameters(
+      (dict(data=4, fsdp=4, tensor=1), 'needs 16 devices'),
+      (dict(data=3, fsdp=-1, tensor=1), 'config.mesh.fsdp=-1'),
+      (dict(data=2, fsdp=2, tensor=1), 'covers 4 of the 8'),
+      (dict(data=-1, fsdp=-1, tensor=1), 'at most one'),
+      (dict(data=0, fsdp=-1, tensor=1), 'config.mesh.data=0'),
+  )
+  def test_impossible_mesh(self, sizes, message):
+    with self.assertRaisesRegex(ConfigError, message):
+      parallel.mesh_shape(sizes, 8)
+
+  def test_mesh_on_subset_of_devices(self):
+    mesh = parallel.make_mesh(dict(data=1, fsdp=2, tensor=2), devices=jax.devices()[:4])
+    self.assertEqual(mesh.devices.size, 4)
+
+  def test_layout_errors_name_fields(self):
+    c = _cfg(data=2, fsdp=2, tensor=2)
+    mesh = parallel.make_mesh(c.mesh)
+    c.trainer.batch_size = 6
+    with self.assertRaisesRegex(ConfigError, r'config.trainer.batch_size=6 .*config.mesh.data \* config.mesh.fsdp'):
+      parallel.check_layout(c, mesh)
+    c.trainer.batch_size = 8
+    c.trainer.minibatch_size = 2
+    with self.assertRaisesRegex(ConfigError, 'config.trainer.minibatch_size=2'):
+      parallel.check_layout(c, mesh)
+    c.trainer.minibatch_size = 4
+
+    class M:
+      num_heads, num_kv_heads = 4, 1
+    with self.assertRaisesRegex(ConfigError, r'num_kv_heads=1 is not divisible by config.mesh.tensor=2'):
+      parallel.check_layout(c, mesh, M)
+    M.num_kv_heads = 2
+    parallel.check_layout(c, mesh, M)
+
+
+class ShardingTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.mesh = parallel.make_mesh(dict(data=1, fsdp=4, tensor=2))
+    self.rules = base.get_config().mesh.rules
+
+  def test_logical_to_spec(self):
+    spec = parallel.logical_to_spec(('embed', 'mlp'), (32, 48), self.mesh, self.rules)
+    self.assertEqual(spec, P('fsdp', 'tensor'))
+    # A mesh axis is used once per array; size-1 axes are dropped.
+    rules = (('a', 'fsdp'), ('b', ('fsdp', 'tensor')), ('c', 'data'))
+    self.assertEqual(parallel.logical_to_spec(('a', 'b', 'c'), (8, 8, 8), self.mesh, rules),
+                     P('fsdp', 'tensor', None))
+    # Non-divisible dims fall back to replication.
+    self.assertEqual(parallel.logical_to_spec(('embed', 'mlp'), (32, 5), self.mesh, self.rules), P('fsdp', None))
+
+  def test_unknown_names_are_errors(self):
+    with self.assertRaisesRegex(ConfigError, "no rule for logical axis 'experts'"):
+      parallel.logical_to_spec(('experts',), (8,), self.mesh, self.rules)
+    with self.assertRaisesRegex(ConfigError, 'unknown mesh axes'):
+      parallel.rules_dict((('embed', 'model'),), self.mesh)
+
+  def test_param_and_optimizer_shardings_are_derived(self):
+    model = _toy()
+    params = nnx.state(model, nnx.Param)
+    sh = parallel.tree_shardings(params, self.mesh, self.rules)
+    self.assertEqual(sh['embed'].get_value().spec, P('tensor', 'fsdp'))
+    self.assertEqual(sh['heads'].get_value().spec, P('fsdp', 'tensor', None))
+    self.assertEqual(sh['odd'].get_value().spec, P('fsdp', None))
+    self.assertEqual(sh['scale'].get_value().spec, P())
+    placed = jax.device_put(params, sh)
+    self.assertEqual(placed['up'].get_value().sharding.spec, P('fsdp', 'tensor'))
+    # Optimizer state: the same derivation, from an abstract state (nothing allocated).
+    tx = optax.adamw(1e-3)
+    abstract = jax.eval_shape(tx.init, params)
+    osh = parallel.tree_shardings(abstract, self.mesh, self.rules)
+    opt = jax.jit(tx.init, out_shardings=osh)(placed)
+    adam = opt[0]
+    self.assertEqual(adam.mu['up'].get_value().sharding.spec, P('fsdp', 'tensor'))
+    self.assertEqual(adam.nu['embed'].get_value().sharding.spec, P('tensor', 'fsdp'))
+    self.assertEqual(adam.count.sharding.spec, P())
+    # Fully sharded: each device holds 1/8 of `up`.
+    self.assertEqual(placed['up'].get_value().addressable_shards[0].data.shape, (8, 24))
+
+  def test_batch_sharding(self):
+    mesh = parallel.make_mesh(dict(data=2, fsdp=2, tensor=2))
+    x = jax.device_put(np.arange(16 * 3).reshape(16, 3), parallel.batch_sharding(mesh))
+    self.assertEqual(x.addressable_shards[0].data.shape, (4, 3))
+    self.assertEqual(parallel.local_row_range(16, mesh), (0, 16))
+    g = parallel.global_batch({'a': np.arange(16.), 'b': np.ones((16, 2))}, mesh, 16)
+    np.testing.assert_array_equal(parallel.to_host(g)['a'], np.arange(16.))
+    with self.assertRaisesRegex(ValueError, r'rows \[0, 16\)'):
+      parallel.global_batch({'a': np.arange(8.)}, mesh, 16)
+
+  def test_distributed_single_process_is_noop(self):
+    self.assertFalse(parallel.initialize(base.get_config().distributed))
+    self.assertTrue(parallel.is_main_process())
+    c = base.get_config()
+    c.distributed.num_processes = 2
+    with self.assertRaisesRegex(ConfigError, 'coordinator_address'):
+      parallel.initialize(c.distributed)
+    c.distributed.process_id = 3
+    with self.assertRaisesRegex(ConfigError, 'process_id=3'):
+      parallel.initialize(c.distributed)
+
+
+if __name__ == '__main__':
+  absltest.main()
