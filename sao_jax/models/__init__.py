@@ -1,0 +1,4 @@
+"""Llama-family decoder, value model, log-prob helpers and HF weight io (Flax NNX)."""
+
+from sao_jax.models.config import ModelConfig, get_model_config, MODEL_NAMES
+from sao_jax.models.llama import Decoder, KVCache

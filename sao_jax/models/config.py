@@ -1,0 +1,292 @@
+"""Model configurations of the Llama-family decoder (Llama 3.x, SmolLM2, Qwen2/2.5, Qwen3).
+
+`ModelConfig` is a frozen, hashable dataclass (it can be a static argument of `jax.jit`). Named configs are
+returned by `get_model_config(name, **overrides)`; `ModelConfig.from_hf_config` / `.to_hf_config` convert
+to and from a Hugging Face `config.json` dictionary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+_DTYPES = ('float32', 'bfloat16')
+_ROPE_SCALING_TYPES = ('llama3',)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Hyper-parameters of a Llama-family decoder.
+
+  Attributes:
+    vocab_size: Number of token embeddings (rows of the embedding table).
+    embed_dim: Width D of the residual stream.
+    num_layers: Number of decoder blocks L.
+    num_heads: Query heads N.
+    num_kv_heads: Key/value heads K (grouped-query attention; N % K == 0).
+    head_dim: Width H of one attention head (need not equal D / N, e.g. Qwen3).
+    mlp_dim: Hidden width F of the SwiGLU MLP.
+    rope_theta: RoPE base frequency.
+    rope_scaling: None, or an HF `rope_scaling` dict with `rope_type='llama3'` (keys factor,
+      low_freq_factor, high_freq_factor, original_max_position_embeddings).
+    norm_eps: Epsilon of every RMSNorm.
+    tie_embeddings: The lm head reuses the embedding table (logits = h @ E^T).
+    qkv_bias: q/k/v projections have biases (Qwen2/2.5).
+    qk_norm: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
+    dtype: Compute dtype, 'float32' or 'bfloat16' (params stay in `param_dtype`).
+    param_dtype: Storage dtype of parameters ('float32').
+    bos_id: Beginning-of-sequence token id (or None).
+    eos_ids: Token ids that end generation.
+    pad_id: Padding token id.
+    remat: Rematerialise each decoder block in the backward pass (saves activation memory).
+    scan_layers: Run the stacked blocks with `lax.scan` (fast compiles) instead of an unrolled loop.
+    max_position: Longest position the model is meant for (HF `max_position_embeddings`; informative).
+    name: Name of the config (informative).
+  """
+  vocab_size: int
+  embed_dim: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  rope_theta: float = 10_000.0
+  rope_scaling: Mapping[str, Any] | None = None
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  dtype: str = 'float32'
+  param_dtype: str = 'float32'
+  bos_id: int | None = None
+  eos_ids: tuple[int, ...] = ()
+  pad_id: int = 0
+  remat: bool = False
+  scan_layers: bool = True
+  max_position: int = 8192
+  name: str = ''
+
+  def __post_init__(self):
+    for field in ('vocab_size', 'embed_dim', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim', 'mlp_dim'):
+      value = getattr(self, field)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f'ModelConfig.{field} must be a positive int, got {value!r}.')
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f'ModelConfig.num_heads ({self.num_heads}) must be a multiple of '
+                       f'num_kv_heads ({self.num_kv_heads}).')
+    if self.head_dim % 2:
+      raise ValueError(f'ModelConfig.head_dim must be even for RoPE, got {self.head_dim}.')
+    if self.dtype not in _DTYPES:
+      raise ValueError(f'ModelConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}.')
+    if self.param_dtype not in _DTYPES:
+      raise ValueError(f'ModelConfig.param_dtype must be one of {_DTYPES}, got {self.param_dtype!r}.')
+    if self.rope_scaling is not None:
+      kind = self.rope_scaling.get('rope_type', self.rope_scaling.get('type'))
+      if kind not in _ROPE_SCALING_TYPES:
+        raise ValueError(f'ModelConfig.rope_scaling type {kind!r} is not supported (only {_ROPE_SCALING_TYPES}).')
+      # Store a plain dict copy (immutability by convention; hashing uses the sorted items).
+      object.__setattr__(self, 'rope_scaling', dict(self.rope_scaling))
+    object.__setattr__(self, 'eos_ids', tuple(int(i) for i in self.eos_ids))
+
+  def __hash__(self):
+    values = []
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if isinstance(v, Mapping):
+        v = tuple(sorted(v.items()))
+      values.append(v)
+    return hash(tuple(values))
+
+  def replace(self, **overrides) -> ModelConfig:
+    """Returns a copy with some fields replaced (validated again)."""
+    return dataclasses.replace(self, **overrides)
+
+  @property
+  def num_groups(self) -> int:
+    """Query heads per key/value head, G = N / K."""
+    return self.num_heads // self.num_kv_heads
+
+  def num_params(self, *, include_embedding: bool = True) -> int:
+    """Number of parameters (the input embedding table counted once, also when tied)."""
+    d, h = self.embed_dim, self.head_dim
+    attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+    if self.qkv_bias:
+      attn += h * (self.num_heads + 2 * self.num_kv_heads)
+    if self.qk_norm:
+      attn += 2 * h
+    block = attn + 3 * d * self.mlp_dim + 2 * d
+    total = self.num_layers * block + d
+    if include_embedding:
+      total += self.vocab_size * d
+    if not self.tie_embeddings:
+      total += self.vocab_size * d
+    return total
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) as in the PaLM appendix.
+
+    `6 * N_matmul + 12 * L * N_heads * H * T_eff`, where N_matmul counts the weights used in matrix
+    multiplies (every block weight and the lm head, not the embedding lookup) and the attention term
+    counts QK^T and AV over a causal context (T_eff = seq_len / 2 on average).
+    """
+    d, h = self.embed_dim, self.head_dim
+    n_matmul = self.num_layers * (d * h * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * d * self.mlp_dim)
+    n_matmul += self.vocab_size * d
+    attn = 12 * self.num_layers * self.num_heads * h * seq_len / 2
+    return 6.0 * n_matmul + attn
+
+  # ---- Hugging Face config.json conversion.
+
+  @classmethod
+  def from_hf_config(cls, hf: Mapping[str, Any], **overrides) -> ModelConfig:
+    """Builds a config from an HF `config.json` dict (model_type llama, qwen2, qwen3, or a Llama-like one).
+
+    Raises:
+      ValueError: naming the HF field when the checkpoint uses a feature this decoder does not implement.
+    """
+    model_type = hf.get('model_type', 'llama')
+    if model_type not in ('llama', 'qwen2', 'qwen3', 'mistral'):
+      raise ValueError(f'config.json model_type={model_type!r} is not a supported Llama-family model '
+                       '(llama, qwen2, qwen3, mistral).')
+    if hf.get('hidden_act', 'silu') != 'silu':
+      raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported.")
+    if hf.get('mlp_bias', False):
+      raise ValueError('config.json mlp_bias=true is not supported.')
+    if model_type != 'qwen2' and hf.get('attention_bias', False):
+      raise ValueError('config.json attention_bias=true (bias on q/k/v/o) is not supported for '
+                       f'model_type={model_type!r}.')
+    if hf.get('use_sliding_window', False):
+      raise ValueError('config.json use_sliding_window=true is not supported.')
+    if model_type == 'mistral' and hf.get('sliding_window') is not None:
+      raise ValueError('config.json sliding_window is not supported.')
+    rope_params = dict(hf.get('rope_parameters') or {})
+    rope_scaling = hf.get('rope_scaling') or None
+    rope_theta = hf.get('rope_theta', rope_params.get('rope_theta', 10_000.0))
+    if rope_scaling is None and rope_params.get('rope_type', 'default') != 'default':
+      rope_scaling = {k: v for k, v in rope_params.items() if k != 'rope_theta'}
+    if rope_scaling is not None:
+      rope_scaling = {k: v for k, v in dict(rope_scaling).items() if k != 'rope_theta'}
+      kind = rope_scaling.get('rope_type', rope_scaling.get('type', 'default'))
+      if kind == 'default':
+        rope_scaling = None
+      elif kind not in _ROPE_SCALING_TYPES:
+        raise ValueError(f'config.json rope scaling type {kind!r} is not supported (only {_ROPE_SCALING_TYPES}).')
+    num_heads = int(hf['num_attention_heads'])
+    embed_dim = int(hf['hidden_size'])
+    eos = hf.get('eos_token_id')
+    eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
+    pad = hf.get('pad_token_id')
+    if pad is None:
+      pad = eos_ids[0] if eos_ids else 0
+    kwargs = dict(
+        vocab_size=int(hf['vocab_size']),
+        embed_dim=embed_dim,
+        num_layers=int(hf['num_hidden_layers']),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get('num_key_value_heads') or num_heads),
+        head_dim=int(hf.get('head_dim') or embed_dim // num_heads),
+        mlp_dim=int(hf['intermediate_size']),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
+        tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
+        qkv_bias=model_type == 'qwen2',
+        qk_norm=model_type == 'qwen3',
+        bos_id=hf.get('bos_token_id'),
+        eos_ids=eos_ids,
+        pad_id=int(pad),
+        max_position=int(hf.get('max_position_embeddings', 8192)),
+        name=hf.get('_name_or_path', '') or model_type,
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+  @property
+  def hf_model_type(self) -> str:
+    """The HF architecture that represents this config: qwen3 (q/k norm), qwen2 (qkv bias) or llama."""
+    if self.qk_norm and self.qkv_bias:
+      raise ValueError('No HF architecture has both qk_norm and qkv_bias.')
+    if self.qk_norm:
+      return 'qwen3'
+    if self.qkv_bias:
+      return 'qwen2'
+    return 'llama'
+
+  def to_hf_config(self) -> dict[str, Any]:
+    """Returns an HF `config.json` dict (LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM)."""
+    model_type = self.hf_model_type
+    arch = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM'}[model_type]
+    out = {
+        'architectures': [arch],
+        'model_type': model_type,
+        'vocab_size': self.vocab_size,
+        'hidden_size': self.embed_dim,
+        'num_hidden_layers': self.num_layers,
+        'num_attention_heads': self.num_heads,
+        'num_key_value_heads': self.num_kv_heads,
+        'head_dim': self.head_dim,
+        'intermediate_size': self.mlp_dim,
+        'hidden_act': 'silu',
+        'rope_theta': self.rope_theta,
+        'rope_scaling': dict(self.rope_scaling) if self.rope_scaling else None,
+        'rms_norm_eps': self.norm_eps,
+        'tie_word_embeddings': self.tie_embeddings,
+        'max_position_embeddings': self.max_position,
+        'bos_token_id': self.bos_id,
+        'eos_token_id': (list(self.eos_ids) if len(self.eos_ids) > 1 else
+                         (self.eos_ids[0] if self.eos_ids else None)),
+        'pad_token_id': self.pad_id,
+        'torch_dtype': 'float32',
+        'use_cache': True,
+    }
+    if model_type == 'llama':
+      out.update(attention_bias=False, mlp_bias=False)
+    if model_type == 'qwen3':
+      out.update(attention_bias=False)
+    if model_type in ('qwen2', 'qwen3'):
+      out.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
+    return out
+
+
+_NAMED: dict[str, dict[str, Any]] = {
+    # Tests and synthetic tasks (vocab large enough for the char tokenizer).
+    'tiny': dict(vocab_size=512, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                 mlp_dim=128, rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=True, bos_id=1,
+                 eos_ids=(2,), pad_id=0),
+    # ~26M parameters: the train-step throughput / MFU benchmark.
+    'bench-25m': dict(vocab_size=8192, embed_dim=512, num_layers=7, num_heads=8, num_kv_heads=4, head_dim=64,
+                      mlp_dim=1536, rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=True, bos_id=1,
+                      eos_ids=(2,), pad_id=0),
+    # HuggingFaceTB/SmolLM2-135M-Instruct.
+    'smollm2-135m': dict(vocab_size=49152, embed_dim=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                         head_dim=64, mlp_dim=1536, rope_theta=100_000.0, norm_eps=1e-5, tie_embeddings=True,
+                         bos_id=1, eos_ids=(2,), pad_id=2, max_position=8192),
+    # Qwen/Qwen2.5-0.5B-Instruct.
+    'qwen2.5-0.5b': dict(vocab_size=151936, embed_dim=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                         head_dim=64, mlp_dim=4864, rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=True,
+                         qkv_bias=True, bos_id=151643, eos_ids=(151645, 151643), pad_id=151643,
+                         max_position=32768),
+    # Qwen/Qwen3-0.6B.
+    'qwen3-0.6b': dict(vocab_size=151936, embed_dim=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                       head_dim=128, mlp_dim=3072, rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=True,
+                       qk_norm=True, bos_id=151643, eos_ids=(151645, 151643), pad_id=151643,
+                       max_position=40960),
+    # meta-llama/Llama-3.2-1B-Instruct.
+    'llama3.2-1b': dict(vocab_size=128256, embed_dim=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                        head_dim=64, mlp_dim=8192, rope_theta=500_000.0, norm_eps=1e-5, tie_embeddings=True,
+                        rope_scaling={'rope_type': 'llama3', 'factor': 32.0, 'low_freq_factor': 1.0,
+                                      'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192},
+                        bos_id=128000, eos_ids=(128001, 128008, 128009), pad_id=128004, max_position=131072),
+}
+
+MODEL_NAMES = tuple(_NAMED)
+
+
+def get_model_config(name: str, **overrides) -> ModelConfig:
+  """Returns the named config ('tiny', 'bench-25m', 'smollm2-135m', 'qwen2.5-0.5b', 'qwen3-0.6b',
+  'llama3.2-1b') with `overrides` applied (e.g. dtype='bfloat16', remat=True)."""
+  if name not in _NAMED:
+    raise ValueError(f'Unknown model config {name!r}; known: {", ".join(MODEL_NAMES)}.')
+  kwargs = dict(_NAMED[name], name=name)
+  kwargs.update(overrides)
+  return ModelConfig(**kwargs)
