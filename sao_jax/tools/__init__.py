@@ -1,0 +1,1 @@
+"""Command-line tools: `python -m sao_jax.tools.<name>` (weight conversion, reference checks)."""
