@@ -1,0 +1,114 @@
+"""`calculator`: multi-turn tool use. The task that exercises skip-observation GAE.
+
+Problems are arithmetic with large operands (3-4 digits, 2 operators by default), hard to do in one's head,
+easy with the tool. Each model turn either
+  * calls the tool, `... <calc>347*589</calc>`: the env evaluates the expression safely (`safe_eval`, no
+    `eval`) and answers `<result>204383</result>` (or `<result>error: ...</result>`); the episode goes on;
+  * or answers, `<answer>204395</answer>`: scored like arith (exact match, optional format reward); done.
+A turn with neither ends the episode with reward 0. Reaching `config.task.max_turns` with a pending tool call
+cuts the episode (truncated, reward 0).
+
+Observations are 'inline' by default (the model stops at `</calc>`, the result is appended inside the
+assistant's stream, one assistant turn in all) or 'message' (a new chat message of `observation_role`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import numpy as np
+
+from sao_jax.config_lib import ConfigError
+from sao_jax.envs import answers
+from sao_jax.envs import arith
+from sao_jax.envs import base
+from sao_jax.envs import registry
+from sao_jax.envs import safe_eval
+
+_CALL = re.compile(r'<calc>(.*?)</calc>', re.S)
+_TOOL_PROMPT = ('You have a calculator: write <calc>expression</calc> (numbers, + - * / // % ** and '
+                'parentheses) and you will get <result>value</result>.')
+
+
+@dataclasses.dataclass(frozen=True)
+class CalculatorOptions(arith.ArithOptions):
+  """`config.task.kwargs` of calculator: arith's problem knobs (harder defaults) plus the tool's."""
+  min_digits: int = 3  # Fewest digits of an operand.
+  max_digits: int = 4  # Most digits of an operand.
+  min_ops: int = 2  # Fewest operators in a problem.
+  max_ops: int = 2  # Most operators in a problem.
+  answer_format: str = 'tag'  # The final answer format (the tool tags are fixed).
+  observation_mode: str = 'inline'  # 'inline' (result appended in the assistant stream) or 'message'.
+  observation_role: str = 'user'  # Chat role of observations in 'message' mode (e.g. 'tool' for HF templates).
+  max_expression_chars: int = 200  # Longest expression the tool accepts.
+  max_abs: float = 1e40  # Bound on |value| of any intermediate result of the tool.
+  max_exponent: int = 64  # Bound on exponents the tool accepts.
+
+  def check(self, path: str = 'task.kwargs') -> None:
+    super().check(path)
+    if self.observation_mode not in ('inline', 'message'):
+      raise ConfigError(f'config.{path}.observation_mode={self.observation_mode!r}: inline or message.')
+    if self.answer_format == 'plain':
+      raise ConfigError(f'config.{path}.answer_format=plain cannot be told apart from a tool call; use '
+                        'tag, boxed or hash.')
+
+
+def tool_result(expr: str, opts: CalculatorOptions) -> str:
+  """The observation text for one tool call."""
+  try:
+    value = safe_eval.safe_eval(expr, max_len=opts.max_expression_chars, max_abs=opts.max_abs,
+                                max_exponent=opts.max_exponent)
+    return f'<result>{safe_eval.format_number(value)}</result>'
+  except safe_eval.UnsafeExpression as e:
+    return f'<result>error: {e}</result>'
+
+
+class CalculatorEnv(base.BaseEnv):
+  """See module docstring."""
+
+  def __init__(self, example: base.Example, opts: CalculatorOptions, *, max_turns: int):
+    super().__init__(example, max_turns=max_turns)
+    self.opts = opts
+    self.observation_mode = opts.observation_mode
+    self.observation_role = opts.observation_role
+    self.stop_texts = ('</calc>',) if opts.observation_mode == 'inline' else ()
+    self.tool_calls = 0
+
+  def _reset(self) -> None:
+    self.tool_calls = 0
+
+  def _step(self, action_text: str) -> base.StepResult:
+    has_answer = answers.parse(action_text, self.opts.answer_format, strict=False) is not None
+    calls = _CALL.findall(action_text)
+    if has_answer or not calls:
+      reward, info = arith.score(action_text, self.example.answer, self.opts)
+      info['tool_calls'] = self.tool_calls
+      return base.StepResult(None, reward, True, info)
+    self.tool_calls += 1
+    return base.StepResult(tool_result(calls[-1], self.opts), 0.0, False, {'tool_calls': self.tool_calls})
+
+
+class CalculatorTask(arith.GeneratedTask):
+  """Multi-turn arithmetic with a calculator tool."""
+
+  def __init__(self, opts: CalculatorOptions, *, max_turns: int, eval_size: int):
+    super().__init__(max_turns=max_turns, eval_size=eval_size)
+    self.opts = opts
+
+  def make_example(self, rng: np.random.Generator) -> base.Example:
+    ex = arith.make_example(rng, self.opts, task='calculator')
+    return dataclasses.replace(ex, prompt=f'{_TOOL_PROMPT} {ex.prompt}')
+
+  def make_env(self, example: base.Example) -> CalculatorEnv:
+    return CalculatorEnv(example, self.opts, max_turns=self.max_turns)
+
+
+@registry.register_task('calculator', CalculatorOptions, min_turns=2)
+def _make(opts: CalculatorOptions, *, max_turns: int, eval_size: int) -> CalculatorTask:
+  return CalculatorTask(opts, max_turns=max_turns, eval_size=eval_size)
+
+
+def demo_actions(example: base.Example, answer_format: str = 'tag') -> list[str]:
+  """A correct two-turn episode's action texts (one tool call, then the answer); used by tests and docs."""
+  expr = example.data['expression']
+  return [f'<calc>{expr}</calc>', answers.render(example.answer, answer_format)]

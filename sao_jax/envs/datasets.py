@@ -1,0 +1,135 @@
+"""Problem files (JSONL, JSON, CSV, Parquet) -> `Example`s, with malformed rows skipped and counted.
+
+Rows are dicts. A task turns each row into an `Example` with a `convert(row_number, row)` function that
+raises `BadRow(reason)` for a malformed row; such rows are skipped and reported in one warning (count and
+row numbers). A file with no valid row, a missing file or an unknown extension fail with a `ConfigError`
+naming the config field that points at the file.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import logging
+import numpy as np
+
+from sao_jax.config_lib import ConfigError
+from sao_jax.envs import base
+
+SPLIT_SEED = 0x5EED  # The eval/train split is fixed by this seed, not by the training seed.
+_MAX_REPORTED_ROWS = 20
+
+
+class BadRow(ValueError):
+  """A malformed row; the message says why."""
+
+
+def read_rows(path: str, field: str) -> list[tuple[int, Any]]:
+  """(row_number, row) pairs; row numbers are 1-based (the line number for JSONL).
+
+  A JSONL line that is not valid JSON comes back as a `BadRow` instance in place of the row.
+  """
+  if not path:
+    raise ConfigError(f'config.{field} is empty; set it to a data file.')
+  if not os.path.isfile(path):
+    raise ConfigError(f'config.{field}={path!r}: no such file.')
+  ext = path.lower().rsplit('.', 1)[-1]
+  try:
+    if ext == 'jsonl':
+      rows = []
+      with open(path, encoding='utf-8') as f:
+        for n, line in enumerate(f, 1):
+          if not line.strip():
+            continue
+          try:
+            rows.append((n, json.loads(line)))
+          except json.JSONDecodeError as e:
+            rows.append((n, BadRow(f'invalid JSON ({e.msg})')))
+      return rows
+    if ext == 'json':
+      with open(path, encoding='utf-8') as f:
+        data = json.load(f)
+      if isinstance(data, dict):
+        data = data.get('data', data.get('rows'))
+      if not isinstance(data, list):
+        raise ConfigError(f'config.{field}={path!r}: a JSON file must hold a list of rows (or {{"data": [...]}}).')
+      return list(enumerate(data, 1))
+    if ext == 'csv':
+      with open(path, encoding='utf-8', newline='') as f:
+        return list(enumerate(csv.DictReader(f), 1))
+    if ext == 'parquet':
+      import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+      return list(enumerate(pq.read_table(path).to_pylist(), 1))
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ConfigError(f'config.{field}={path!r}: cannot be read: {e}') from e
+  raise ConfigError(f'config.{field}={path!r}: unknown file type .{ext} (jsonl, json, csv or parquet).')
+
+
+def build_examples(rows: Sequence[tuple[int, Any]], convert: Callable[[int, dict[str, Any]], base.Example], *,
+                   path: str, field: str) -> list[base.Example]:
+  """Converts rows, skipping malformed ones with one warning; raises if no row is valid."""
+  out, bad = [], []
+  for n, row in rows:
+    try:
+      if isinstance(row, BadRow):
+        raise row
+      if not isinstance(row, dict):
+        raise BadRow(f'not an object but {type(row).__name__}')
+      out.append(convert(n, row))
+    except BadRow as e:
+      bad.append((n, str(e)))
+  if bad:
+    shown = '; '.join(f'row {n}: {why}' for n, why in bad[:_MAX_REPORTED_ROWS])
+    more = f' (and {len(bad) - _MAX_REPORTED_ROWS} more)' if len(bad) > _MAX_REPORTED_ROWS else ''
+    logging.warning('%s: skipped %d malformed row(s) of %d: %s%s', path, len(bad), len(rows), shown, more)
+  if not out:
+    raise ConfigError(f'config.{field}={path!r}: no valid row among {len(rows)}'
+                      + (f' (first problems: {bad[0][1]})' if bad else '') + '.')
+  return out
+
+
+def text_field(row: dict[str, Any], name: str, *, allow_numbers: bool = False) -> str:
+  """A required non-empty string field (numbers converted when `allow_numbers`)."""
+  if name not in row or row[name] is None:
+    raise BadRow(f'missing field {name!r}')
+  value = row[name]
+  if allow_numbers and isinstance(value, (int, float)) and not isinstance(value, bool):
+    value = str(value)
+  if not isinstance(value, str) or not value.strip():
+    raise BadRow(f'field {name!r} must be a non-empty string, got {value!r:.60}')
+  return value.strip()
+
+
+def _norm(text: str) -> str:
+  return ' '.join(text.split()).lower()
+
+
+def split(examples: Sequence[base.Example], eval_size: int, *,
+          eval_examples: Sequence[base.Example] | None = None) -> tuple[list[base.Example], list[base.Example]]:
+  """(train, eval): disjoint by normalised prompt text.
+
+  Without `eval_examples`, eval is the first `eval_size` examples of a permutation fixed by `SPLIT_SEED`.
+  With them (a separate eval file), eval is their first `eval_size` (all when 0) and train drops any example
+  whose prompt also appears in eval.
+  """
+  if eval_examples is None:
+    if eval_size >= len(examples):
+      raise ConfigError(f'config.task.eval_size={eval_size} leaves no training problem out of '
+                        f'{len(examples)}; lower it or set a separate eval file.')
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(examples))
+    eval_set = [examples[int(i)] for i in order[:eval_size]]
+    rest = [examples[int(i)] for i in sorted(order[eval_size:])]
+  else:
+    eval_set = list(eval_examples[:eval_size] if eval_size else eval_examples)
+    rest = list(examples)
+  held = {_norm(e.prompt) for e in eval_set}
+  train = [e for e in rest if _norm(e.prompt) not in held]
+  if len(train) < len(rest):
+    logging.info('Dropped %d training problem(s) that also appear in the eval set.', len(rest) - len(train))
+  if not train:
+    raise ConfigError('config.task.eval_size: no training problem left after holding out the eval set.')
+  return train, eval_set
