@@ -15,8 +15,9 @@ heads of size `d`, row `(head, j, half)` of HF (`half` in {0, 1}, `j < d/2`) is 
 Tokenizer. `tokenizer.ggml.model == "gpt2"` (byte-level BPE) is supported: the vocabulary is already
 written in GPT-2's byte alphabet, merges are `"a b"` strings, token type 3 (control) becomes a special
 added token and 4 (user defined) a plain added token. The pre-tokenizer follows `tokenizer.ggml.pre`;
-for `smollm` it is SmolLM2's own (`Digits(individual_digits=True)` then byte-level GPT-2 splitting), which
-`transformers`' GGUF loader does not reproduce (it keeps runs of digits together).
+for `smollm` it is SmolLM2's own (`Digits(individual_digits=True)` then byte-level GPT-2 splitting; the
+SmolLM2 vocabulary has no multi-digit token, so on that file it agrees with `transformers`' GGUF loader,
+which uses plain GPT-2 splitting for `smollm`).
 
 Special ids. The end-of-turn token is the GGUF eos (for SmolLM2-Instruct `<|im_end|>` = 2). The GGUF pad
 id equals eos in SmolLM2's file, which would make padding indistinguishable from a finished turn, so a pad
