@@ -1,0 +1,327 @@
+"""Advantage estimators: skip-observation GAE, length-adaptive lambda, group baselines, whitening.
+
+Token alignment follows DESIGN.md: `values[b, t]` is the value of the state in which token t was generated
+and `action_mask[b, t]` marks the tokens the policy generated. Observation tokens (tool outputs, user turns,
+prompt, padding) are not steps of the MDP: the Bellman chain jumps over them.
+
+Skip-observation GAE. For the action positions `i_1 < ... < i_n` of a row, with `V_{n+1}` = bootstrap:
+
+    delta_k = r[i_k] + gamma * V[i_{k+1}] - V[i_k]
+    A_k     = delta_k + gamma * lam * A_{k+1},      A_{n+1} = 0
+    R_k     = A_k + V[i_k]
+
+Both chains are first-order linear recurrences over the full time axis once observation positions are made
+to pass values through unchanged (`x_t = a_t * x_{t+1} + b_t`):
+
+    next action value  w_t = V_t            if m_t else w_{t+1},   w_T = bootstrap   (a = 1 - m, b = m V)
+                       V[i_{k+1}] = w_{i_k + 1}
+    advantage          u_t = delta_t + gl u_{t+1} if m_t else u_{t+1},  u_T = 0   (a = gl^m, b = m delta)
+                       A_k = u_{i_k}
+
+and composing affine maps `x -> a x + b` is associative, so both run as `jax.lax.associative_scan` in
+O(log T) depth; `skip_observation_gae_scan` is the plain sequential reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from sao_jax.losses import common
+
+GaeImpl = Literal['auto', 'associative', 'scan', 'blocked']
+GAE_IMPLS = ('auto', 'associative', 'scan', 'blocked')
+
+
+def _prepare(rewards, values, action_mask, gamma, lam, bootstrap):
+  """Validates shapes; returns float32 (r, v, bool m, gamma, lam[B], bootstrap[B]), all stop-gradient'ed."""
+  chex.assert_rank([rewards, values, action_mask], 2)
+  chex.assert_equal_shape([rewards, values, action_mask])
+  b, _ = rewards.shape
+  r = lax.stop_gradient(jnp.asarray(rewards, jnp.float32))
+  v = lax.stop_gradient(jnp.asarray(values, jnp.float32))
+  m = jnp.asarray(action_mask) != 0
+  lam = lax.stop_gradient(jnp.asarray(lam, jnp.float32))
+  if lam.ndim == 0:
+    lam = jnp.broadcast_to(lam, (b,))
+  elif lam.shape != (b,):
+    raise ValueError(f'lam must be a scalar or a [B]={b} array, got shape {lam.shape}')
+  gamma = lax.stop_gradient(jnp.asarray(gamma, jnp.float32))
+  if gamma.ndim != 0:
+    raise ValueError(f'gamma must be a scalar, got shape {gamma.shape}')
+  if bootstrap is None:
+    boot = jnp.zeros((b,), jnp.float32)
+  else:
+    boot = lax.stop_gradient(jnp.asarray(bootstrap, jnp.float32))
+    if boot.shape != (b,):
+      raise ValueError(f'bootstrap must be None or a [B]={b} array, got shape {boot.shape}')
+  return r, v, m, gamma, lam, boot
+
+
+def _finish(adv, v, m):
+  """Zeroes outside the mask and forms returns = A + V (float32, no gradient)."""
+  adv = jnp.where(m, adv, 0.0)
+  ret = jnp.where(m, adv + v, 0.0)
+  return lax.stop_gradient(adv), lax.stop_gradient(ret)
+
+
+def skip_observation_gae_scan(rewards: jax.Array, values: jax.Array, action_mask: jax.Array, *,
+                              gamma: float | jax.Array, lam: float | jax.Array,
+                              bootstrap: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Skip-observation GAE with a reverse `lax.scan` over time: the readable reference.
+
+  Walks t = T-1 .. 0 carrying, per row, the value of the next action token (`next_v`, initially the
+  bootstrap) and its advantage (`next_a`, initially 0). At an action token:
+  `A_t = r_t + gamma next_v - V_t + gamma lam next_a`, then `next_v, next_a = V_t, A_t`; observation tokens
+  leave the carry unchanged. Same contract as `skip_observation_gae`.
+  """
+  r, v, m, gamma, lam, boot = _prepare(rewards, values, action_mask, gamma, lam, bootstrap)
+  gl = gamma * lam
+
+  def step(carry, x):
+    next_v, next_a = carry
+    r_t, v_t, m_t = x
+    a_t = r_t + gamma * next_v - v_t + gl * next_a
+    return (jnp.where(m_t, v_t, next_v), jnp.where(m_t, a_t, next_a)), a_t
+
+  _, adv = lax.scan(step, (boot, jnp.zeros_like(boot)), (r.T, v.T, m.T), reverse=True)
+  return _finish(adv.T, v, m)
+
+
+def _compose(later, earlier):
+  """Composition of affine maps for a reverse recurrence.
+
+  `earlier` maps x_T to x_{t+1} (x_{t+1} = A1 x_T + B1); `later` is step t (x_t = a x_{t+1} + b).
+  Result: x_t = (a A1) x_T + (a B1 + b). Associative (composition of affine maps).
+  """
+  a, b = later
+  a1, b1 = earlier
+  return a * a1, a * b1 + b
+
+
+def _linear_recurrence_associative(a: jax.Array, b: jax.Array, init: jax.Array) -> jax.Array:
+  """x_t = a_t x_{t+1} + b_t along axis 1 (reverse), x_T = init[B]; O(log T) depth."""
+  # With reverse=True, jax scans the flipped sequence: fn(x, y) gets x = the part nearer the end of time.
+  p, q = lax.associative_scan(lambda x, y: _compose(y, x), (a, b), reverse=True, axis=1)
+  return q + p * init[:, None]
+
+
+def _linear_recurrence_blocked(a: jax.Array, b: jax.Array, init: jax.Array, block: int) -> jax.Array:
+  """x_t = a_t x_{t+1} + b_t along axis 1 (reverse), x_T = init[B], in blocks of `block` time steps.
+
+  Inside each block (all blocks of all rows at once), a sequential scan over the block's `block` positions
+  solves the block with a zero right boundary and also returns the product of its a's:
+  `x_t = xl_t + P_t x_{end}`. A short sequential scan over blocks then gives each block's right boundary
+  value, and one elementwise pass applies it.
+  """
+  bsz, t = a.shape
+  nb = -(-t // block)
+  pad = nb * block - t
+  if pad:  # Padding at the end with a = 1, b = 0 passes `init` through unchanged.
+    a = jnp.pad(a, ((0, 0), (0, pad)), constant_values=1.0)
+    b = jnp.pad(b, ((0, 0), (0, pad)))
+  # [L, B * nb]: time inside a block leads, so each step of the scan reads one contiguous row.
+  a3 = a.reshape(bsz * nb, block).T
+  b3 = b.reshape(bsz * nb, block).T
+
+  def inner(carry, ab):
+    x, p = carry
+    a_t, b_t = ab
+    x = a_t * x + b_t
+    p = a_t * p
+    return (x, p), (x, p)
+
+  zeros = jnp.zeros((bsz * nb,), jnp.float32)
+  _, (xl, pl) = lax.scan(inner, (zeros, jnp.ones_like(zeros)), (a3, b3), reverse=True)
+  xl = xl.T.reshape(bsz, nb, block)
+  pl = pl.T.reshape(bsz, nb, block)
+
+  def outer(x, ab):
+    p0, x0 = ab
+    x = p0 * x + x0
+    return x, x
+
+  # Right boundary of block j is x at the start of block j + 1 (init for the last block).
+  _, starts = lax.scan(outer, init, (pl[:, :, 0].T, xl[:, :, 0].T), reverse=True)
+  right = jnp.concatenate([starts.T[:, 1:], init[:, None]], axis=1)
+  x = xl + pl * right[:, :, None]
+  return x.reshape(bsz, nb * block)[:, :t]
+
+
+def _gae_via_recurrences(r, v, m, gamma, lam, boot, recurrence):
+  """Skip-observation GAE as two linear recurrences (see module docstring)."""
+  w = recurrence(jnp.where(m, 0.0, 1.0), jnp.where(m, v, 0.0), boot)
+  next_v = jnp.concatenate([w[:, 1:], boot[:, None]], axis=1)
+  delta = r + gamma * next_v - v
+  gl = (gamma * lam)[:, None]
+  u = recurrence(jnp.where(m, gl, 1.0), jnp.where(m, delta, 0.0), jnp.zeros_like(boot))
+  return _finish(u, v, m)
+
+
+def default_gae_impl(backend: str | None = None) -> str:
+  """The `impl` that 'auto' resolves to on `backend` (default: jax's default backend).
+
+  Chosen from `python -m sao_jax.benchmarks.gae` (B=64, T=32768): on CPU the sequential scan beats the
+  O(log T)-depth associative scan (XLA:CPU has no parallelism to gain and the log-depth passes cost memory
+  traffic); on GPU / TPU the associative scan is the parallel one.
+  """
+  backend = backend or jax.default_backend()
+  return 'scan' if backend == 'cpu' else 'associative'
+
+
+def skip_observation_gae(rewards: jax.Array, values: jax.Array, action_mask: jax.Array, *,
+                         gamma: float | jax.Array, lam: float | jax.Array,
+                         bootstrap: jax.Array | None = None, impl: GaeImpl = 'auto',
+                         block: int = 256) -> tuple[jax.Array, jax.Array]:
+  """Skip-observation GAE over the action tokens of each row (DESIGN.md contract).
+
+  For the action positions `i_1 < ... < i_n` of a row (observation tokens are skipped):
+  `delta_k = r[i_k] + gamma V[i_{k+1}] - V[i_k]` with `V[i_{n+1}]` = bootstrap (0 when None: terminal),
+  `A_k = delta_k + gamma lam A_{k+1}` (`A_{n+1} = 0`), `returns_k = A_k + V[i_k]`.
+
+  Args:
+    rewards: `[B, T]`; only action positions are read (the scalar reward sits on the last action token).
+    values: `[B, T]` critic values, aligned with the tokens.
+    action_mask: `[B, T]` bool / 0-1, True where the policy generated the token.
+    gamma: discount (scalar).
+    lam: GAE lambda, a scalar or a per-row `[B]` array (e.g. `adaptive_lambda`).
+    bootstrap: `[B]` value after the last action of each row (truncated episodes), or None (terminal).
+    impl: 'associative' (`lax.associative_scan`, O(log T) depth), 'scan' (sequential `lax.scan`),
+      'blocked' (sequential inside blocks of `block` steps, all blocks at once, then across blocks), or
+      'auto' = `default_gae_impl()` for the current backend. Static.
+    block: block length of impl='blocked' (static).
+
+  Returns:
+    `(advantages, returns)`, float32 `[B, T]`, 0 outside the action mask, with no gradient.
+  """
+  if impl not in GAE_IMPLS:
+    raise ValueError(f'impl must be one of {GAE_IMPLS}, got {impl!r}')
+  if impl == 'auto':
+    impl = default_gae_impl()
+  if impl == 'scan':
+    return skip_observation_gae_scan(rewards, values, action_mask, gamma=gamma, lam=lam, bootstrap=bootstrap)
+  r, v, m, gamma, lam, boot = _prepare(rewards, values, action_mask, gamma, lam, bootstrap)
+  if impl == 'associative':
+    rec = _linear_recurrence_associative
+  else:
+    if not isinstance(block, int) or block < 1:
+      raise ValueError(f'block must be a positive int, got {block!r}')
+    rec = functools.partial(_linear_recurrence_blocked, block=block)
+  return _gae_via_recurrences(r, v, m, gamma, lam, boot, rec)
+
+
+def adaptive_lambda(action_mask: jax.Array, alpha: float | jax.Array = 1.5) -> jax.Array:
+  """Length-adaptive GAE lambda of SAO: `lam_b = clip(1 - 1 / (alpha * l_b), 0, 1)`.
+
+  `l_b` = number of action tokens of row b. A row without action tokens gets 0 (its lambda is unused).
+
+  Args:
+    action_mask: `[B, T]`.
+    alpha: the scale alpha (> 0), SAO uses 1.5.
+
+  Returns:
+    float32 `[B]`.
+  """
+  chex.assert_rank(action_mask, 2)
+  n = common.masked_sum(jnp.ones(action_mask.shape, jnp.float32), action_mask, axis=1)
+  lam = 1.0 - 1.0 / (jnp.asarray(alpha, jnp.float32) * jnp.maximum(n, 1.0))
+  return jnp.where(n > 0, jnp.clip(lam, 0.0, 1.0), 0.0)
+
+
+def _group_mean(rewards: jax.Array) -> jax.Array:
+  """Row mean `[P, 1]` computed as `r_0 + mean(r - r_0)`: exact when a group's rewards are all equal."""
+  first = rewards[:, :1]
+  return first + jnp.mean(rewards - first, axis=1, keepdims=True)
+
+
+def group_advantages(rewards: jax.Array, *, std_normalize: bool = True, eps: float = 1e-6) -> jax.Array:
+  """GRPO / Dr.GRPO group-relative advantages of G rollouts of P prompts.
+
+  `A_{p,i} = (R_{p,i} - mean_j R_{p,j}) / (std_j R_{p,j} + eps)` (GRPO, `std` with Bessel's correction as
+  in GRPO's reference code; a group of one has std 0), or `R_{p,i} - mean_j R_{p,j}` (Dr.GRPO,
+  `std_normalize=False`). A group whose rewards are all equal gets exactly 0.
+
+  Args:
+    rewards: `[P, G]` scalar reward of each rollout.
+    std_normalize: divide by the group's std (static).
+    eps: added to the std.
+
+  Returns:
+    float32 `[P, G]`; broadcast to tokens with `broadcast_to_tokens`.
+  """
+  chex.assert_rank(rewards, 2)
+  r = lax.stop_gradient(jnp.asarray(rewards, jnp.float32))
+  centered = r - _group_mean(r)
+  if not std_normalize:
+    return centered
+  g = r.shape[1]
+  std = jnp.sqrt(jnp.sum(jnp.square(centered), axis=1, keepdims=True) / max(g - 1, 1))
+  return centered / (std + eps)
+
+
+def leave_one_out_advantages(rewards: jax.Array) -> jax.Array:
+  """RLOO: `A_{p,i} = R_{p,i} - (1/(G-1)) sum_{j != i} R_{p,j} = G/(G-1) (R_{p,i} - mean_j R_{p,j})`.
+
+  Args:
+    rewards: `[P, G]` with G >= 2.
+
+  Returns:
+    float32 `[P, G]`.
+  """
+  chex.assert_rank(rewards, 2)
+  g = rewards.shape[1]
+  if g < 2:
+    raise ValueError(f'leave-one-out needs a group size G >= 2, got rewards of shape {rewards.shape}')
+  r = lax.stop_gradient(jnp.asarray(rewards, jnp.float32))
+  return (r - _group_mean(r)) * (g / (g - 1))
+
+
+def broadcast_to_tokens(advantages: jax.Array, action_mask: jax.Array) -> jax.Array:
+  """Puts a per-trajectory advantage `[B]` on every action token of its row: `A[b, t] = A_b m[b, t]`."""
+  chex.assert_rank(advantages, 1)
+  chex.assert_rank(action_mask, 2)
+  chex.assert_axis_dimension(action_mask, 0, advantages.shape[0])
+  return jnp.where(jnp.asarray(action_mask) != 0, jnp.asarray(advantages, jnp.float32)[:, None], 0.0)
+
+
+def whiten(advantages: jax.Array, action_mask: jax.Array, *, shift_mean: bool = True,
+           eps: float = 1e-8) -> jax.Array:
+  """Masked whitening over all action tokens of the batch: `(A - mu) / sqrt(var + eps)`, 0 off the mask.
+
+  `mu` and `var` are the mean and (population) variance of A over the masked tokens of the whole batch
+  (a global reduction, so under data parallelism it spans every shard). With `shift_mean=False` the mean
+  is kept: `A / sqrt(var + eps)`.
+  """
+  chex.assert_rank([advantages, action_mask], 2)
+  chex.assert_equal_shape([advantages, action_mask])
+  a = lax.stop_gradient(jnp.asarray(advantages, jnp.float32))
+  mean = common.masked_mean(a, action_mask)
+  var = common.masked_var(a, action_mask)
+  out = (a - mean) if shift_mean else a
+  return jnp.where(jnp.asarray(action_mask) != 0, out * lax.rsqrt(var + eps), 0.0)
+
+
+def skip_observation_gae_numpy(rewards, values, action_mask, *, gamma, lam, bootstrap=None):
+  """Host numpy version (benchmark baseline): a reverse loop over time, vectorised over rows, float32."""
+  r = np.asarray(rewards, np.float32)
+  v = np.asarray(values, np.float32)
+  m = np.asarray(action_mask) != 0
+  bsz, t = r.shape
+  gamma = np.float32(gamma)
+  gl = gamma * np.broadcast_to(np.asarray(lam, np.float32), (bsz,))
+  next_v = np.zeros(bsz, np.float32) if bootstrap is None else np.asarray(bootstrap, np.float32).copy()
+  next_a = np.zeros(bsz, np.float32)
+  adv = np.zeros_like(r)
+  for i in range(t - 1, -1, -1):
+    m_i = m[:, i]
+    a_i = r[:, i] + gamma * next_v - v[:, i] + gl * next_a
+    adv[:, i] = np.where(m_i, a_i, 0.0)
+    next_v = np.where(m_i, v[:, i], next_v)
+    next_a = np.where(m_i, a_i, next_a)
+  return adv, np.where(m, adv + v, 0.0).astype(np.float32)

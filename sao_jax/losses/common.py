@@ -1,0 +1,84 @@
+"""Masked reductions and loss aggregation shared by the loss modules.
+
+Conventions: per-token arrays are `[B, T]`; `mask[b, t]` (bool or 0/1) marks the tokens that take part
+(the action tokens). Every reduction is computed in float32 and is safe when the mask is empty (it then
+returns 0 rather than NaN), so padded rows and padded batches cost nothing.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+AGGREGATIONS = ('token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum')
+
+
+def as_float_mask(mask: jax.Array) -> jax.Array:
+  """`mask != 0` as float32 (accepts bool, int or float masks)."""
+  return (jnp.asarray(mask) != 0).astype(jnp.float32)
+
+
+def masked_sum(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
+  """`sum(x * m)` over `axis` in float32; x outside the mask never leaks in (NaN-safe: `where`, not `*`)."""
+  m = jnp.asarray(mask) != 0
+  return jnp.sum(jnp.where(m, x.astype(jnp.float32), 0.0), axis=axis)
+
+
+def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
+  """`sum(x * m) / max(sum(m), 1)` over `axis`, float32; 0 where the mask is empty."""
+  return masked_sum(x, mask, axis) / jnp.maximum(masked_sum(jnp.ones_like(x, jnp.float32), mask, axis), 1.0)
+
+
+def masked_var(x: jax.Array, mask: jax.Array) -> jax.Array:
+  """Population variance of x over the masked entries: `mean_m((x - mean_m(x))^2)` (0 if empty)."""
+  mean = masked_mean(x, mask)
+  return masked_mean(jnp.square(x.astype(jnp.float32) - mean), mask)
+
+
+def masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:
+  """Max of x over the mask (float32 scalar); 0 when the mask is empty."""
+  m = jnp.asarray(mask) != 0
+  return jnp.where(jnp.any(m), jnp.max(jnp.where(m, x.astype(jnp.float32), -jnp.inf)), 0.0)
+
+
+def masked_min(x: jax.Array, mask: jax.Array) -> jax.Array:
+  """Min of x over the mask (float32 scalar); 0 when the mask is empty."""
+  m = jnp.asarray(mask) != 0
+  return jnp.where(jnp.any(m), jnp.min(jnp.where(m, x.astype(jnp.float32), jnp.inf)), 0.0)
+
+
+def aggregate(per_token: jax.Array, mask: jax.Array, agg: str = 'token_mean', max_len: int = 0) -> jax.Array:
+  """Reduces a per-token loss `[B, T]` to a scalar.
+
+  With `m` the mask, `n_b = sum_t m[b, t]` and `R = {b : n_b > 0}` the rows with at least one token:
+    - `token_mean`:          `sum_{b,t} m l / max(sum_b n_b, 1)` (every masked token weighs the same).
+    - `seq_mean_token_mean`: `(1/|R|) sum_{b in R} (sum_t m l) / n_b` (every row weighs the same).
+    - `seq_mean_token_sum`:  `(1/|R|) sum_{b in R} (sum_t m l) / L`, L = `max_len` or T when 0 (Dr.GRPO).
+  Rows without tokens (padding) are left out of the row means, so padding a batch changes nothing.
+
+  Args:
+    per_token: `[B, T]` loss per token.
+    mask: `[B, T]` tokens that count.
+    agg: one of `AGGREGATIONS` (static).
+    max_len: the constant divisor of `seq_mean_token_sum` (static int; 0 = T).
+
+  Returns:
+    float32 scalar.
+  """
+  chex.assert_rank(per_token, 2)
+  chex.assert_equal_shape([per_token, mask])
+  if agg == 'token_mean':
+    return masked_mean(per_token, mask)
+  row_sum = masked_sum(per_token, mask, axis=1)
+  row_n = masked_sum(jnp.ones_like(per_token, jnp.float32), mask, axis=1)
+  nonempty = (row_n > 0).astype(jnp.float32)
+  if agg == 'seq_mean_token_mean':
+    row = row_sum / jnp.maximum(row_n, 1.0)
+  elif agg == 'seq_mean_token_sum':
+    if not isinstance(max_len, int) or max_len < 0:
+      raise ValueError(f'agg_max_len must be an int >= 0 (0 = T), got {max_len!r}')
+    row = row_sum / float(max_len or per_token.shape[1])
+  else:
+    raise ValueError(f'agg must be one of {AGGREGATIONS}, got {agg!r}')
+  return jnp.sum(row * nonempty) / jnp.maximum(jnp.sum(nonempty), 1.0)

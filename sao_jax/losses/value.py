@@ -1,0 +1,65 @@
+"""Critic loss: masked 0.5 * squared error to fixed returns, with optional PPO-style value clipping."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sao_jax.losses import common
+
+
+def value_loss(values: jax.Array, returns: jax.Array, mask: jax.Array, *, old_values: jax.Array | None = None,
+               clip_eps: float | jax.Array | None = None, agg: str = 'token_mean',
+               agg_max_len: int = 0) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Value loss (to minimise) over the masked tokens, and scalar metrics.
+
+  Plain (SAO): `l_t = 0.5 (V_t - R_t)^2`. Clipped (PPO baseline; when both `old_values` and `clip_eps` are
+  given): `V^c_t = V^old_t + clip(V_t - V^old_t, -eps, eps)`, `l_t = 0.5 max((V_t - R_t)^2, (V^c_t - R_t)^2)`.
+  Then aggregated with `common.aggregate(l, mask, agg, agg_max_len)`.
+
+  Args:
+    values: `[B, T]` current critic values (differentiable).
+    returns: `[B, T]` fixed targets (no gradient).
+    mask: `[B, T]` tokens that count (action tokens).
+    old_values: `[B, T]` values of the critic that produced the returns (clipped variant only).
+    clip_eps: value clip width (clipped variant only).
+    agg: aggregation (static), see `common.AGGREGATIONS`.
+    agg_max_len: divisor of `seq_mean_token_sum` (static int, 0 = T).
+
+  Returns:
+    `(loss, metrics)` with float32 scalars: `explained_variance` = `1 - Var_m(R - V) / Var_m(R)` (0 when
+    Var_m(R) = 0), `value_mean`, `return_mean`, `value_error` (mean squared error), `value_clip_frac`
+    (clipped variant: fraction of tokens where the clipped term is the larger one).
+  """
+  chex.assert_rank(values, 2)
+  chex.assert_equal_shape([values, returns, mask])
+  m = jnp.asarray(mask) != 0
+  v = values.astype(jnp.float32)
+  ret = lax.stop_gradient(jnp.asarray(returns, jnp.float32))
+  err = jnp.square(v - ret)
+  metrics = {}
+  if old_values is not None and clip_eps is not None:
+    chex.assert_equal_shape([values, old_values])
+    old = lax.stop_gradient(jnp.asarray(old_values, jnp.float32))
+    eps = jnp.asarray(clip_eps, jnp.float32)
+    v_clipped = old + jnp.clip(v - old, -eps, eps)
+    err_clipped = jnp.square(v_clipped - ret)
+    metrics['value_clip_frac'] = common.masked_mean((err_clipped > err).astype(jnp.float32), m)
+    per_token = 0.5 * jnp.maximum(err, err_clipped)
+  elif (old_values is None) != (clip_eps is None):
+    raise ValueError('value clipping needs both old_values and clip_eps (got only one of them)')
+  else:
+    per_token = 0.5 * err
+  loss = common.aggregate(per_token, m, agg, agg_max_len)
+  v_sg = lax.stop_gradient(v)
+  var_ret = common.masked_var(ret, m)
+  var_res = common.masked_var(ret - v_sg, m)
+  metrics.update(
+      explained_variance=jnp.where(var_ret > 0, 1.0 - var_res / jnp.where(var_ret > 0, var_ret, 1.0), 0.0),
+      value_mean=common.masked_mean(v_sg, m),
+      return_mean=common.masked_mean(ret, m),
+      value_error=common.masked_mean(lax.stop_gradient(err), m),
+  )
+  return loss, metrics
