@@ -141,7 +141,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: Array) -> Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-    return y.astype(x.dtype) * self.scale.value.astype(x.dtype)
+    return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -205,13 +205,13 @@ class Attention(nnx.Module):
     """
     cfg = self.cfg
     dt = x.dtype
-    q = jnp.einsum('btd,dnh->btnh', x, self.q_proj.value.astype(dt))
-    k = jnp.einsum('btd,dkh->btkh', x, self.k_proj.value.astype(dt))
-    v = jnp.einsum('btd,dkh->btkh', x, self.v_proj.value.astype(dt))
+    q = jnp.einsum('btd,dnh->btnh', x, self.q_proj[...].astype(dt))
+    k = jnp.einsum('btd,dkh->btkh', x, self.k_proj[...].astype(dt))
+    v = jnp.einsum('btd,dkh->btkh', x, self.v_proj[...].astype(dt))
     if cfg.qkv_bias:
-      q = q + self.q_bias.value.astype(dt)
-      k = k + self.k_bias.value.astype(dt)
-      v = v + self.v_bias.value.astype(dt)
+      q = q + self.q_bias[...].astype(dt)
+      k = k + self.k_bias[...].astype(dt)
+      v = v + self.v_bias[...].astype(dt)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -233,7 +233,7 @@ class Attention(nnx.Module):
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum('bkgts,bskh->btkgh', probs, v).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    return jnp.einsum('btnh,nhd->btd', out, self.o_proj.value.astype(dt)), new_kv
+    return jnp.einsum('btnh,nhd->btd', out, self.o_proj[...].astype(dt)), new_kv
 
 
 class MLP(nnx.Module):
@@ -249,9 +249,9 @@ class MLP(nnx.Module):
 
   def __call__(self, x: Array) -> Array:
     dt = x.dtype
-    gate = jnp.einsum('btd,df->btf', x, self.gate_proj.value.astype(dt))
-    up = jnp.einsum('btd,df->btf', x, self.up_proj.value.astype(dt))
-    return jnp.einsum('btf,fd->btd', jax.nn.silu(gate) * up, self.down_proj.value.astype(dt))
+    gate = jnp.einsum('btd,df->btf', x, self.gate_proj[...].astype(dt))
+    up = jnp.einsum('btd,df->btf', x, self.up_proj[...].astype(dt))
+    return jnp.einsum('btf,fd->btd', jax.nn.silu(gate) * up, self.down_proj[...].astype(dt))
 
 
 class Embedder(nnx.Module):
@@ -359,10 +359,10 @@ class Decoder(nnx.Module):
   def unembedding(self) -> tuple[Array, str]:
     """The lm-head weight and its einsum layout: (E [V, D], 'vd') when tied, else (W [D, V], 'dv')."""
     if self.cfg.tie_embeddings:
-      return self.embed.embedding.value, 'vd'
+      return self.embed.embedding[...], 'vd'
     if not self.has_lm_head:
       raise ValueError('This Decoder was built with lm_head=False and has untied embeddings: no logits.')
-    return self.lm_head.value, 'dv'
+    return self.lm_head[...], 'dv'
 
   def logits_from_hidden(self, hidden: Array) -> Array:
     """logits[b, t, v] = hidden[b, t] . W_out[:, v] in float32 ([..., D] -> [..., V])."""
@@ -384,7 +384,7 @@ class Decoder(nnx.Module):
     chex.assert_shape(positions, (b, t))
     positions = positions.astype(jnp.int32)
     dt = _dtype(cfg.dtype)
-    h = jnp.take(self.embed.embedding.value, tokens, axis=0).astype(dt)
+    h = jnp.take(self.embed.embedding[...], tokens, axis=0).astype(dt)
     cos, sin = rope_tables(positions, rope_inv_freq(cfg))
 
     if cache is None:

@@ -1,0 +1,253 @@
+"""Hugging Face checkpoint io: load an HF directory into a `Decoder`, export a `Decoder` to an HF directory.
+
+Loading (`load_hf`) reads `config.json` and every `*.safetensors` file through a memory map (float32,
+float16 and bfloat16 tensors; no torch needed). The model is created abstractly (`nnx.eval_shape`, no
+allocation) and each parameter is then built with `jax.make_array_from_callback`: every device receives only
+its own shard, sliced from the memory-mapped file, so with a mesh the whole model is never materialised on
+one device. Shardings come from the parameters' logical axis names and `rules` (the `config.mesh.rules`
+pairs, see `sao_jax.parallel.sharding`).
+
+Weight layouts (HF `nn.Linear.weight` is [out, in]; ours are [in, ...out]):
+  q_proj [N*H, D] -> [D, N, H];  k_proj/v_proj [K*H, D] -> [D, K, H];  o_proj [D, N*H] -> [N, H, D];
+  gate/up [F, D] -> [D, F];  down [D, F] -> [F, D];  lm_head [V, D] -> [D, V];  biases [n*H] -> [n, H].
+
+Exporting (`save_hf`) writes `config.json` (Llama / Qwen2 / Qwen3 architecture), `model.safetensors`
+(float32) and, if given, the tokenizer files of `tokenizer_dir`; `transformers.AutoModelForCausalLM` loads it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sao_jax.models.config import ModelConfig
+from sao_jax.models.llama import Decoder
+
+Rules = Sequence[tuple[str, Any]]
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'vocab.json',
+                   'merges.txt', 'tokenizer.model', 'chat_template.jinja', 'generation_config.json')
+
+_ST_DTYPES = {'F32': np.float32, 'F16': np.float16, 'BF16': np.uint16, 'F64': np.float64}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Safetensors, memory-mapped.
+
+
+class SafetensorsReader:
+  """Lazy, memory-mapped reader of one or more .safetensors files (returns float32 numpy arrays)."""
+
+  def __init__(self, files: Sequence[str]):
+    self._index: dict[str, tuple[np.memmap, dict[str, Any], int]] = {}
+    for path in files:
+      with open(path, 'rb') as f:
+        header_len = int.from_bytes(f.read(8), 'little')
+        header = json.loads(f.read(header_len))
+      data = np.memmap(path, dtype=np.uint8, mode='r')
+      for name, meta in header.items():
+        if name == '__metadata__':
+          continue
+        if meta['dtype'] not in _ST_DTYPES:
+          raise ValueError(f'{path}: tensor {name!r} has unsupported dtype {meta["dtype"]}.')
+        self._index[name] = (data, meta, 8 + header_len)
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._index
+
+  def keys(self) -> list[str]:
+    return list(self._index)
+
+  def get(self, name: str) -> np.ndarray:
+    """The tensor as float32 (a zero-copy view for F32)."""
+    if name not in self._index:
+      raise KeyError(f'Tensor {name!r} is missing from the checkpoint.')
+    data, meta, base = self._index[name]
+    start, end = meta['data_offsets']
+    raw = data[base + start: base + end].view(_ST_DTYPES[meta['dtype']]).reshape(meta['shape'])
+    if meta['dtype'] == 'BF16':
+      return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32, copy=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Name and layout mapping.
+
+
+def _param_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, Callable[[np.ndarray], np.ndarray], bool]]:
+  """Our param path -> (HF name or template with {l}, HF -> ours transform, stacked over layers)."""
+  n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.embed_dim
+  ident = lambda w: w  # noqa: E731
+  t = lambda w: w.T  # noqa: E731
+  pre = 'model.layers.{l}.'
+  m = {
+      ('embed', 'embedding'): ('model.embed_tokens.weight', ident, False),
+      ('final_norm', 'scale'): ('model.norm.weight', ident, False),
+      ('layers', 'attn_norm', 'scale'): (pre + 'input_layernorm.weight', ident, True),
+      ('layers', 'mlp_norm', 'scale'): (pre + 'post_attention_layernorm.weight', ident, True),
+      ('layers', 'attn', 'q_proj'): (pre + 'self_attn.q_proj.weight', lambda w: w.T.reshape(d, n, h), True),
+      ('layers', 'attn', 'k_proj'): (pre + 'self_attn.k_proj.weight', lambda w: w.T.reshape(d, k, h), True),
+      ('layers', 'attn', 'v_proj'): (pre + 'self_attn.v_proj.weight', lambda w: w.T.reshape(d, k, h), True),
+      ('layers', 'attn', 'o_proj'): (pre + 'self_attn.o_proj.weight', lambda w: w.T.reshape(n, h, d), True),
+      ('layers', 'mlp', 'gate_proj'): (pre + 'mlp.gate_proj.weight', t, True),
+      ('layers', 'mlp', 'up_proj'): (pre + 'mlp.up_proj.weight', t, True),
+      ('layers', 'mlp', 'down_proj'): (pre + 'mlp.down_proj.weight', t, True),
+  }
+  if cfg.qkv_bias:
+    m[('layers', 'attn', 'q_bias')] = (pre + 'self_attn.q_proj.bias', lambda b: b.reshape(n, h), True)
+    m[('layers', 'attn', 'k_bias')] = (pre + 'self_attn.k_proj.bias', lambda b: b.reshape(k, h), True)
+    m[('layers', 'attn', 'v_bias')] = (pre + 'self_attn.v_proj.bias', lambda b: b.reshape(k, h), True)
+  if cfg.qk_norm:
+    m[('layers', 'attn', 'q_norm', 'scale')] = (pre + 'self_attn.q_norm.weight', ident, True)
+    m[('layers', 'attn', 'k_norm', 'scale')] = (pre + 'self_attn.k_norm.weight', ident, True)
+  if not cfg.tie_embeddings:
+    m[('lm_head',)] = ('lm_head.weight', t, False)
+  return m
+
+
+def _to_hf(ours: np.ndarray, path: tuple[str, ...], cfg: ModelConfig) -> np.ndarray:
+  """Inverse of the load transform for one (per-layer) parameter."""
+  if path[-1] in ('q_proj', 'k_proj', 'v_proj'):
+    return ours.reshape(cfg.embed_dim, -1).T
+  if path[-1] == 'o_proj':
+    return ours.reshape(-1, cfg.embed_dim).T
+  if path[-1] in ('q_bias', 'k_bias', 'v_bias'):
+    return ours.reshape(-1)
+  if path[-1] in ('gate_proj', 'up_proj', 'down_proj', 'lm_head'):
+    return ours.T
+  return ours
+
+
+def _var_path(path) -> tuple[str, ...]:
+  return tuple(str(getattr(p, 'key', p)) for p in path)
+
+
+def _spec(var: nnx.Variable, shape, mesh: Mesh, rules: Rules | None, name: str) -> PartitionSpec:
+  if rules is None:
+    return PartitionSpec()
+  from sao_jax.parallel.sharding import logical_to_spec  # Same-level room; imported lazily.
+  logical = var.get_metadata().get('out_sharding')
+  return logical_to_spec(tuple(logical) if logical else None, shape, mesh, rules, name=name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Load / save.
+
+
+def read_hf_config(hf_dir: str) -> dict[str, Any]:
+  path = os.path.join(hf_dir, 'config.json')
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'{hf_dir!r} has no config.json (not an HF checkpoint directory).')
+  with open(path) as f:
+    return json.load(f)
+
+
+def load_hf(hf_dir: str, *, dtype: str = 'float32', mesh: Mesh | None = None, rules: Rules | None = None,
+            **config_overrides) -> tuple[Decoder, ModelConfig]:
+  """Loads an HF Llama / Qwen2 / Qwen3 checkpoint directory into a `Decoder`.
+
+  Args:
+    hf_dir: directory with config.json and *.safetensors.
+    dtype: compute dtype of the returned model ('float32' or 'bfloat16'; params are float32).
+    mesh: if given, every parameter is placed with `NamedSharding(mesh, spec)`, shard by shard.
+    rules: logical-axis -> mesh-axis pairs (`config.mesh.rules`); None = replicated on `mesh`.
+    **config_overrides: extra `ModelConfig` fields (e.g. remat=True, scan_layers=False).
+
+  Returns:
+    (model, cfg).
+  """
+  cfg = ModelConfig.from_hf_config(read_hf_config(hf_dir), dtype=dtype, **config_overrides)
+  files = sorted(glob.glob(os.path.join(hf_dir, '*.safetensors')))
+  if not files:
+    raise FileNotFoundError(f'{hf_dir!r} has no *.safetensors files.')
+  reader = SafetensorsReader(files)
+  mapping = _param_map(cfg)
+  abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  devices = None if mesh is not None else jax.devices()[:1]
+
+  def load(path, var):
+    key = _var_path(path)
+    if key not in mapping:
+      raise ValueError(f'No HF weight mapped to parameter {"/".join(key)}.')
+    template, transform, stacked = mapping[key]
+    sds = var.get_value()
+    names = [template.format(l=i) for i in range(cfg.num_layers)] if stacked else [template]
+    for nm in names:
+      if nm not in reader:
+        raise ValueError(f'{hf_dir}: checkpoint lacks tensor {nm!r} (needed for {"/".join(key)}).')
+
+    def read(index) -> np.ndarray:
+      if stacked:
+        layers = range(cfg.num_layers)[index[0]]
+        out = np.stack([transform(reader.get(names[i]))[index[1:]] for i in layers])
+      else:
+        out = transform(reader.get(names[0]))[index]
+      return np.ascontiguousarray(out, dtype=sds.dtype)
+
+    expected = tuple(sds.shape)
+    first = transform(reader.get(names[0]))
+    if tuple(((cfg.num_layers,) if stacked else ()) + first.shape) != expected:
+      raise ValueError(f'{hf_dir}: {names[0]} has shape {reader.get(names[0]).shape}, which does not fit '
+                       f'{"/".join(key)} {expected} of this config.')
+    if mesh is None:
+      sharding = jax.sharding.SingleDeviceSharding(devices[0])
+    else:
+      sharding = NamedSharding(mesh, _spec(var, expected, mesh, rules, '/'.join(key)))
+    return var.replace(jax.make_array_from_callback(expected, sharding, read))
+
+  state = jax.tree_util.tree_map_with_path(load, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  unused = set(reader.keys()) - {
+      tpl.format(l=i) for tpl, _, st in mapping.values() for i in (range(cfg.num_layers) if st else [0])}
+  unused -= {'lm_head.weight'}  # Tied checkpoints may still store it.
+  if unused:
+    logging.warning('load_hf(%s): %d checkpoint tensors unused, e.g. %s', hf_dir, len(unused), sorted(unused)[:3])
+  return nnx.merge(graphdef, state), cfg
+
+
+def hf_state_dict(model: Decoder, cfg: ModelConfig | None = None) -> dict[str, np.ndarray]:
+  """The model's weights as an HF-named dict of float32 numpy arrays (gathered to host)."""
+  cfg = cfg or model.cfg
+  mapping = _param_map(cfg)
+  out = {}
+  for path, var in nnx.state(model, nnx.Param).flat_state():
+    key = _var_path(path)
+    if key not in mapping:
+      raise ValueError(f'Parameter {"/".join(key)} has no HF name.')
+    template, _, stacked = mapping[key]
+    value = np.asarray(jax.device_get(var.get_value()), dtype=np.float32)
+    if stacked:
+      for i in range(cfg.num_layers):
+        out[template.format(l=i)] = np.ascontiguousarray(_to_hf(value[i], key, cfg))
+    else:
+      out[template] = np.ascontiguousarray(_to_hf(value, key, cfg))
+  return out
+
+
+def save_hf(model: Decoder, cfg: ModelConfig | None, out_dir: str, tokenizer_dir: str | None = None) -> None:
+  """Writes config.json, model.safetensors (float32) and the tokenizer files of `tokenizer_dir` to `out_dir`."""
+  from safetensors.numpy import save_file
+  cfg = cfg or model.cfg
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, 'config.json'), 'w') as f:
+    json.dump(cfg.to_hf_config(), f, indent=2)
+  save_file(hf_state_dict(model, cfg), os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
+  if tokenizer_dir:
+    copied = 0
+    for name in TOKENIZER_FILES:
+      src = os.path.join(tokenizer_dir, name)
+      if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(out_dir, name)):
+        shutil.copy(src, os.path.join(out_dir, name))
+        copied += 1
+    if not copied:
+      logging.warning('save_hf: no tokenizer files found in %s', tokenizer_dir)
