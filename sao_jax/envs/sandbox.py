@@ -107,6 +107,47 @@ def bwrap_argv(python: str, limits: SandboxLimits) -> list[str]:
 
 _UNSHARE = ('unshare', '--map-root-user', '--net', '--pid', '--fork', '--kill-child')
 
+# 'rlimits' mode has no pid namespace, so orphans of the program would be re-parented to the system's init
+# (which, in a container, may never reap them: zombies count against RLIMIT_NPROC). This trusted reaper,
+# running as the parent's uid, marks itself a child subreaper, runs the program as the sandbox uid, enforces
+# the wall clock, then kills and reaps every remaining descendant. Arguments: uid (-1 = keep), timeout,
+# then the program's argv.
+_REAPER = r'''
+import ctypes, os, signal, sys, time
+uid, timeout, argv = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+pid = os.fork()
+if pid == 0:
+  if uid >= 0:
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+  os.execv(argv[0], argv)
+me, status, deadline = os.getpid(), None, time.monotonic() + timeout
+while status is None and time.monotonic() < deadline:
+  try:
+    p, st = os.waitpid(-1, os.WNOHANG)
+  except ChildProcessError:
+    break
+  if p == pid:
+    status = st
+  elif p == 0:
+    time.sleep(0.01)
+timed_out = status is None
+while True:
+  for q in os.listdir('/proc'):
+    try:
+      if q.isdigit() and open('/proc/%s/stat' % q).read().rsplit(')', 1)[1].split()[1] == str(me):
+        os.kill(int(q), signal.SIGKILL)
+    except (OSError, IndexError):
+      pass
+  try:
+    p, st = os.waitpid(-1, 0)
+  except ChildProcessError:
+    break
+  if p == pid and status is None:
+    status = st
+sys.exit(124 if timed_out else (os.waitstatus_to_exitcode(status) % 256))
+'''
+
 
 def detect_isolation(python: str = _SYSTEM_PYTHON) -> str:
   """The strongest isolation that works on this machine: 'bwrap', 'unshare' or 'rlimits'."""
@@ -168,7 +209,8 @@ class Sandbox:
       return bwrap_argv(self.python, self.limits)
     if self.isolation == 'unshare':
       return list(_UNSHARE) + [self.python, '-I', '-']
-    return [self.python, '-I', '-']
+    return [self.python, '-I', '-c', _REAPER, str(-1 if self.uid is None else self.uid),
+            str(self.limits.timeout_s), self.python, '-I', '-']
 
   def run(self, program: str, *, stdin_extra: str = '') -> SandboxResult:
     """Runs `program` (Python source) and returns its exit status and capped output.
@@ -190,12 +232,13 @@ class Sandbox:
 
   def _run(self, program: str, workdir: str | None) -> SandboxResult:
     env = {'PATH': '/usr/bin:/bin', 'LANG': 'C.UTF-8', 'HOME': workdir or '/tmp'}
+    uid = None if self.isolation == 'rlimits' else self.uid  # The reaper switches uid itself.
     t0 = time.monotonic()
     try:
       proc = subprocess.Popen(
           self._argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
-          env=env, start_new_session=True, user=self.uid, group=self.uid,
-          extra_groups=[] if self.uid is not None else None, preexec_fn=self._preexec(), close_fds=True)
+          env=env, start_new_session=True, user=uid, group=uid, extra_groups=[] if uid is not None else None,
+          preexec_fn=self._preexec(), close_fds=True)
     except OSError as e:
       raise SandboxError(f'Cannot start the sandbox: {e}') from e
     cap = self.limits.max_output_bytes
@@ -218,9 +261,11 @@ class Sandbox:
       pass  # The program exited (or was killed) before reading all of its source.
     timed_out = False
     try:
-      proc.wait(timeout=self.limits.timeout_s)
+      proc.wait(timeout=self.limits.timeout_s + (1.0 if self.isolation == 'rlimits' else 0.0))
     except subprocess.TimeoutExpired:
       timed_out = True
+    if self.isolation == 'rlimits' and proc.returncode == 124:
+      timed_out = True  # The reaper's own wall clock.
     self._kill_group(proc.pid)
     proc.wait()
     for r in readers:

@@ -1,0 +1,34 @@
+"""imo: IMO-AnswerBench (short-answer olympiad problems), rewarded by math-verify.
+
+Usage: `python -m sao_jax.main --config=configs/imo.py[:ANSWERBENCH_CSV]` with the benchmark's CSV
+(`Problem ID, Problem, Short Answer, ...`); default: a 4-problem sample in that layout (for smoke tests).
+A real run sets `--config.model.name=... --config.model.hf_dir=... --config.model.tokenizer=hf`.
+"""
+
+import os
+
+import ml_collections
+
+from configs import base
+
+_SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'sao_jax', 'envs', 'data',
+                       'imo_answerbench_sample.csv')
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = base.get_config()
+  c.task.name = 'math'
+  c.task.max_turns = 1  # Single turn.
+  c.task.eval_size = 2  # Held out (use eval_file for a separate benchmark file).
+  c.task.kwargs = ml_collections.ConfigDict(dict(
+      data_file=arg or _SAMPLE,  # IMO-AnswerBench CSV/JSONL/Parquet.
+      layout='imo_answerbench',  # Fields: Problem ID / Problem / Short Answer.
+      verify_timeout_s=10.0,  # Olympiad answers (sets, expressions) can take sympy a while.
+      verify_workers=2,  # math-verify worker processes.
+  ))
+  c.sampler.max_new_tokens = 4096  # Long reasoning.
+  c.sampler.max_seq_len = 5120  # Prompt + response.
+  c.sampler.prompt_buckets = (256, 512, 1024)  # Olympiad statements are longer.
+  c.trainer.seq_buckets = (1024, 2048, 4096, 5120)  # Packed lengths.
+  c.algo.eps_low, c.algo.eps_high = 0.3, 5.0  # SAO's math setting.
+  return c

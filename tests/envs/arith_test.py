@@ -1,0 +1,190 @@
+"""arith, calculator and the safe evaluator: rewards on right and wrong answers, formats, problem streams."""
+
+from fractions import Fraction
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import ml_collections
+
+from sao_jax import envs
+from sao_jax.config_lib import ConfigError
+from sao_jax.envs import answers
+from sao_jax.envs import arith
+from sao_jax.envs import calculator
+from sao_jax.envs import safe_eval
+
+
+def _task(name='arith', max_turns=1, eval_size=16, **kwargs):
+  return envs.get_task(ml_collections.ConfigDict(
+      {'name': name, 'max_turns': max_turns, 'eval_size': eval_size, 'kwargs': kwargs}))
+
+
+def _reward(task, ex, *texts):
+  env = task.make_env(ex)
+  env.reset()
+  out = None
+  for t in texts:
+    out = env.step(t)
+  return out
+
+
+class AnswersTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      ('tag', '<answer>42</answer>', '42'),
+      ('tag', 'I think 6*7 is <answer>42</answer>', '42'),
+      ('tag', '<answer>-7</answer>', '-7'),
+      ('tag', '<answer>42</answer> done', None),  # Text after the answer.
+      ('tag', '<answer> 42</answer>', None),  # Spaces.
+      ('tag', '<answer>4</answer><answer>42</answer>', None),  # Two answers.
+      ('tag', '42', None),
+      ('boxed', 'so \\boxed{42}', '42'),
+      ('boxed', '\\boxed{4.2}', None),
+      ('hash', 'work\n#### 42', '42'),
+      ('hash', '#### 42 apples', None),
+      ('plain', '42', '42'),
+      ('plain', 'the answer is 42', None),
+  )
+  def test_strict(self, fmt, text, want):
+    self.assertEqual(answers.parse(text, fmt, strict=True), want)
+
+  @parameterized.parameters(
+      ('tag', '<answer> 1,234 </answer> done', '1234'),
+      ('tag', '<answer>1</answer> then <answer>+2</answer>', '2'),
+      ('boxed', '\\boxed{ -3 }.', '-3'),
+      ('plain', 'the answer is 42', '42'),
+  )
+  def test_lenient(self, fmt, text, want):
+    self.assertEqual(answers.parse(text, fmt, strict=False), want)
+
+  def test_render_round_trips(self):
+    for fmt in answers.FORMATS:
+      self.assertEqual(answers.parse(answers.render(-12, fmt), fmt), '-12')
+
+
+class ArithTest(parameterized.TestCase):
+
+  def test_right_and_wrong_answers(self):
+    task = _task()
+    ex = task.eval_set()[0]
+    self.assertEqual(_reward(task, ex, f'<answer>{ex.answer}</answer>')[1:3], (1.0, True))
+    self.assertEqual(_reward(task, ex, f'<answer>{int(ex.answer) + 1}</answer>')[1], 0.0)
+    self.assertEqual(_reward(task, ex, ex.answer)[1], 0.0)  # Right number, wrong format.
+
+  def test_format_reward(self):
+    task = _task(format_reward=0.1)
+    ex = task.eval_set()[0]
+    self.assertAlmostEqual(_reward(task, ex, f'<answer>{int(ex.answer) + 1}</answer>')[1], 0.1)
+    self.assertEqual(_reward(task, ex, 'no idea')[1], 0.0)
+    self.assertEqual(_reward(task, ex, f'<answer>{ex.answer}</answer>')[1], 1.0)
+
+  def test_difficulty_knobs_and_values(self):
+    task = _task(min_digits=3, max_digits=3, min_ops=2, max_ops=3, ops='*')
+    for ex in task.eval_set():
+      nums = ex.data['expression'].split('*')
+      self.assertBetween(len(nums), 3, 4)
+      self.assertTrue(all(len(n) == 3 for n in nums))
+      self.assertEqual(int(ex.answer), eval(ex.data['expression']))  # pylint: disable=eval-used  (test oracle)
+      self.assertIn('<answer>N</answer>', ex.prompt)
+
+  def test_eval_fixed_and_disjoint_from_train(self):
+    a, b = _task(eval_size=32), _task(eval_size=32)
+    self.assertEqual([e.uid for e in a.eval_set()], [e.uid for e in b.eval_set()])
+    ev = {e.uid for e in a.eval_set()}
+    self.assertLen(ev, 32)
+    # A small problem space (1-digit +: 100 problems) makes collisions certain if they were not excluded.
+    small = _task(eval_size=50, min_digits=1, max_digits=1, ops='+')
+    held = {e.uid for e in small.eval_set()}
+    it = small.train_iterator(0)
+    drawn = {next(it).uid for _ in range(300)}
+    self.assertEmpty(held & drawn)
+    self.assertLen(drawn | held, 100)
+
+  def test_seeds_give_different_streams(self):
+    task = _task()
+    s0 = [next(task.train_iterator(0)).uid for _ in range(1)]
+    it0, it1 = task.train_iterator(0), task.train_iterator(1)
+    self.assertNotEqual([next(it0).uid for _ in range(10)], [next(it1).uid for _ in range(10)])
+    self.assertEqual(s0, [next(task.train_iterator(0)).uid])
+
+  def test_eval_size_too_large_for_the_problem_space(self):
+    task = _task(eval_size=200, min_digits=1, max_digits=1, ops='+')
+    with self.assertRaisesRegex(ConfigError, 'config.task.eval_size=200'):
+      task.eval_set()
+
+  @parameterized.parameters(
+      ({'ops': '/'}, 'ops'), ({'min_digits': 3, 'max_digits': 2}, 'min_digits'),
+      ({'answer_format': 'json'}, 'answer_format'), ({'digits': 3}, 'digits is not an option'),
+      ({'max_digits': 'two'}, 'max_digits'))
+  def test_bad_options_name_the_field(self, kwargs, field):
+    with self.assertRaisesRegex(ConfigError, f'config.task.kwargs.{field}'):
+      _task(**kwargs)
+
+
+class SafeEvalTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      ('12*34', 408), ('2+3*4', 14), ('(2+3)*4', 20), ('-3**2', -9), ('7/2', Fraction(7, 2)), ('7//2', 3),
+      ('7%3', 1), ('2**-2', Fraction(1, 4)), ('1.5*2', 3), (' 1 + 1 ', 2), ('+5', 5))
+  def test_values(self, expr, want):
+    self.assertEqual(safe_eval.safe_eval(expr), want)
+
+  @parameterized.parameters(
+      '__import__("os").system("id")', 'open("x")', 'x', '[1, 2]', '1 if 1 else 2', 'lambda: 1', '"a" * 3',
+      '(1).__class__', '1 < 2', 'True + 1', '9**9**9**9', '10**100', '2**0.5', '1/0', '5 % 0', '0**-1',
+      '1' * 300, '(' * 50 + '1' + ')' * 50, '', '1 +', 'f"{1}"', '1e400')
+  def test_rejects(self, expr):
+    with self.assertRaises(safe_eval.UnsafeExpression):
+      safe_eval.safe_eval(expr)
+
+  def test_format_number(self):
+    self.assertEqual(safe_eval.format_number(Fraction(408)), '408')
+    self.assertEqual(safe_eval.format_number(Fraction(1, 3)), '0.333333')
+    self.assertEqual(safe_eval.format_number(Fraction(-7, 2)), '-3.5')
+
+
+class CalculatorTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.task = _task('calculator', max_turns=3, eval_size=8)
+    self.ex = self.task.eval_set()[0]
+
+  def test_tool_then_right_answer(self):
+    call, final = calculator.demo_actions(self.ex)
+    env = self.task.make_env(self.ex)
+    env.reset()
+    obs, reward, done, info = env.step(call)
+    self.assertEqual(obs, f'<result>{self.ex.answer}</result>')
+    self.assertEqual((reward, done, info['tool_calls']), (0.0, False, 1))
+    obs, reward, done, info = env.step(final)
+    self.assertEqual((obs, reward, done), (None, 1.0, True))
+
+  def test_wrong_answer_and_no_action(self):
+    self.assertEqual(_reward(self.task, self.ex, '<answer>1</answer>')[1:3], (0.0, True))
+    self.assertEqual(_reward(self.task, self.ex, 'hmm')[1:3], (0.0, True))
+
+  def test_tool_errors_are_observations(self):
+    env = self.task.make_env(self.ex)
+    env.reset()
+    obs, _, done, _ = env.step('<calc>__import__("os")</calc>')
+    self.assertFalse(done)
+    self.assertTrue(obs.startswith('<result>error:'), obs)
+    self.assertIn('error: division by zero', env.step('<calc>1/0</calc>')[0])
+
+  def test_turn_limit_cuts_a_pending_tool_call(self):
+    env = self.task.make_env(self.ex)
+    env.reset()
+    for _ in range(2):
+      self.assertFalse(env.step('<calc>1+1</calc>').done)
+    obs, reward, done, info = env.step('<calc>1+1</calc>')
+    self.assertEqual((obs, reward, done), (None, 0.0, True))
+    self.assertTrue(info['truncated'])
+
+  def test_needs_two_turns(self):
+    with self.assertRaisesRegex(ConfigError, r'config\.task\.max_turns=1'):
+      _task('calculator', max_turns=1)
+
+
+if __name__ == '__main__':
+  absltest.main()
