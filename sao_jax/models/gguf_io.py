@@ -1,6 +1,6 @@
 """Import of llama-architecture GGUF files (llama.cpp) into Hugging Face form.
 
-`load_gguf(path)` reads a GGUF with the `gguf` package and returns an `GGUFCheckpoint`: an HF
+`load_gguf(path)` reads a GGUF with the `gguf` package and returns a `GGUFCheckpoint`: an HF
 `LlamaForCausalLM` config dict, float32 tensors under HF names, an HF `tokenizers.Tokenizer` rebuilt from
 the GGUF vocabulary, merges and token types, the chat template and the special token ids.
 `save_hf_dir(ckpt, out_dir)` writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json
