@@ -7,22 +7,24 @@
     obs, reward, done, info = env.step(action_text)
     traj = envs.episode_to_trajectory(prompt_ids, turns, reward, truncated=...)
 
-Task modules (arith, calculator, code, math, drift) are imported on first use by the registry.
+Names are resolved lazily (PEP 562), so a verifier worker process that imports `sao_jax.envs.verifier`
+does not pay for jax. Task modules (arith, calculator, code, math, drift) are imported by the registry.
 """
 
-from sao_jax.envs.base import BaseEnv
-from sao_jax.envs.base import Env
-from sao_jax.envs.base import EpisodeLimits
-from sao_jax.envs.base import episode_to_trajectory
-from sao_jax.envs.base import Example
-from sao_jax.envs.base import ExampleIterator
-from sao_jax.envs.base import guarded_step
-from sao_jax.envs.base import message_observation_ids
-from sao_jax.envs.base import run_episode
-from sao_jax.envs.base import StepResult
-from sao_jax.envs.base import Task
-from sao_jax.envs.base import Turn
-from sao_jax.envs.registry import get_task
-from sao_jax.envs.registry import register_task
-from sao_jax.envs.registry import task_names
-from sao_jax.envs.registry import validate_task_config
+import importlib
+
+_EXPORTS = {
+    'BaseEnv': 'base', 'Env': 'base', 'EpisodeLimits': 'base', 'episode_to_trajectory': 'base',
+    'Example': 'base', 'ExampleIterator': 'base', 'guarded_step': 'base', 'message_observation_ids': 'base',
+    'run_episode': 'base', 'StepResult': 'base', 'Task': 'base', 'Turn': 'base',
+    'get_task': 'registry', 'register_task': 'registry', 'task_names': 'registry',
+    'validate_task_config': 'registry',
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(f'sao_jax.envs.{_EXPORTS[name]}'), name)
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -115,7 +115,7 @@ class GeneratedTask(base.Task):
     if self._eval is None:
       seen, out = set(), []
       it = base.GeneratedIterator(self.make_example, EVAL_SEED)
-      for _ in range(50 * self.eval_size + 100):
+      for _ in range(20 * self.eval_size + 100):
         if len(out) == self.eval_size:
           break
         ex = next(it)

@@ -163,7 +163,7 @@ class DriftTask(base.Task):
     if phase not in self._evals:
       gen = base.GeneratedIterator(lambda rng: self.make_example(rng, phase), arith.EVAL_SEED + 1 + phase)
       seen: dict[str, base.Example] = {}
-      for _ in range(50 * self.eval_size + 100):
+      for _ in range(20 * self.eval_size + 100):
         if len(seen) == self.eval_size:
           break
         ex = next(gen)

@@ -103,25 +103,28 @@ class WorkerPool:
     if self._closed:
       raise RuntimeError('WorkerPool is closed.')
     w = self._idle.get()
+    failure: Exception | None = None
+    status, value = 'err', None
     try:
       if not w.ready:
         if not w.conn.poll(self._startup_timeout_s):
-          raise WorkerError(f'worker did not start within {self._startup_timeout_s}s')
+          raise EOFError(f'worker did not start within {self._startup_timeout_s}s')
         w.conn.recv()
         w.ready = True
       w.conn.send(args)
-      if not w.conn.poll(self.timeout_s):
-        self._retire(w)
-        w = self._spawn()
-        raise WorkerTimeout(f'no answer within {self.timeout_s}s; worker killed')
-      status, value = w.conn.recv()
-    except (EOFError, OSError, BrokenPipeError) as e:
+      if w.conn.poll(self.timeout_s):
+        status, value = w.conn.recv()
+      else:
+        failure = WorkerTimeout(f'no answer within {self.timeout_s}s; worker killed')
+    except (EOFError, OSError) as e:  # The worker died (or never started).
+      failure = WorkerError(f'worker died: {e!r}')
+    if failure is not None:
       self._retire(w)
       w = self._spawn()
-      raise WorkerError(f'worker died: {e!r}') from e
-    finally:
-      if not self._closed:
-        self._idle.put(w)
+    if not self._closed:
+      self._idle.put(w)
+    if failure is not None:
+      raise failure
     if status == 'err':
       raise WorkerError(value)
     return value

@@ -108,8 +108,8 @@ class ArithTest(parameterized.TestCase):
     self.assertEqual(s0, [next(task.train_iterator(0)).uid])
 
   def test_eval_size_too_large_for_the_problem_space(self):
-    task = _task(eval_size=200, min_digits=1, max_digits=1, ops='+')
-    with self.assertRaisesRegex(ConfigError, 'config.task.eval_size=200'):
+    task = _task(eval_size=101, min_digits=1, max_digits=1, ops='+')  # 100 distinct problems exist.
+    with self.assertRaisesRegex(ConfigError, 'config.task.eval_size=101: only 100 distinct'):
       task.eval_set()
 
   @parameterized.parameters(
