@@ -1,0 +1,205 @@
+"""The learner: sharded train states and the jitted SAO / GRPO-family update, driven from the host.
+
+    learner = Learner(config, policy=lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
+    metrics = learner.update(batch)        # a `sao_jax.types.Batch` (numpy or jax), one learner step
+    params = learner.policy_state()        # to publish to the sampler
+
+The update is one `jax.jit` program with explicit in/out shardings (derived from the models' logical
+axes and `config.mesh.rules`) and the learner state donated, so parameters and optimizer states are
+updated in place. On several processes each one passes its own rows of the batch (see
+`sao_jax.parallel.global_batch`); metrics come back replicated on every host.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh
+
+from sao_jax import parallel
+from sao_jax.learner import algo as algo_lib
+from sao_jax.learner import optim as optim_lib
+from sao_jax.learner import state as state_lib
+from sao_jax.learner import steps as steps_lib
+from sao_jax.types import Batch
+
+ModelOrFn = nnx.Module | Callable[[], nnx.Module]
+
+
+class NonFiniteUpdateError(RuntimeError):
+  """Too many consecutive updates had a non-finite loss or gradient."""
+
+
+def critic_trainable(freeze_attention: bool):
+  """Filter of the critic's trained leaves: every Param, minus attention when frozen (SAO)."""
+  from sao_jax.models import value as value_lib  # pylint: disable=g-import-not-at-top
+  if freeze_attention:
+    return nnx.All(nnx.Param, nnx.Not(value_lib.CRITIC_ATTENTION))
+  return nnx.Param
+
+
+def default_critic(policy: ModelOrFn, seed: int) -> ModelOrFn:
+  """The SAO critic: the policy's backbone plus a zero-initialised scalar head (a module if `policy` is one)."""
+  from sao_jax.models import value as value_lib  # pylint: disable=g-import-not-at-top
+
+  if isinstance(policy, nnx.Module):
+    return value_lib.ValueModel.from_policy(policy, rngs=nnx.Rngs(seed))
+
+  def make():
+    with nnx.use_eager_sharding(False):
+      return value_lib.ValueModel.from_policy(policy(), rngs=nnx.Rngs(seed))
+  return make
+
+
+def check_groups(group_ids: np.ndarray, row_mask: np.ndarray, group_size: int) -> None:
+  """Group baselines need rows laid out as contiguous groups of `group_size` sharing one `group_id`.
+
+  Raises:
+    ValueError: naming the first offending group.
+  """
+  rows = group_ids.shape[0]
+  if rows % group_size:
+    raise ValueError(f'batch has {rows} rows, not whole groups of config.algo.group_size={group_size}.')
+  ids = group_ids.reshape(-1, group_size)
+  real = row_mask.reshape(-1, group_size) > 0
+  for g, (gid, r) in enumerate(zip(ids, real)):
+    if r.any() and (not r.all() or (gid != gid[0]).any()):
+      raise ValueError(f'rows {g * group_size}..{(g + 1) * group_size - 1} are not one whole group '
+                       f'(group_ids {gid.tolist()}, row_mask {r.astype(int).tolist()}); the group baselines need '
+                       'each prompt\'s config.algo.group_size rollouts in consecutive rows.')
+
+
+class Learner:
+  """Holds the learner state on the mesh and runs update steps.
+
+  Args:
+    config: the full config (`algo`, `optim`, `trainer`, `mesh`).
+    policy: the policy `Decoder`, or a function creating it (preferred: created directly sharded).
+    critic: the value model (or a function); default `ValueModel.from_policy(policy)` for `sao`/`ppo`.
+    mesh: the learner mesh (default `parallel.make_mesh(config.mesh)` over all devices).
+    model_config: the policy's `ModelConfig`, for layout checks (heads divisible by `tensor`).
+  """
+
+  def __init__(self, config: Any, *, policy: ModelOrFn, critic: ModelOrFn | None = None,
+               mesh: Mesh | None = None, model_config: Any = None):
+    self.config = config
+    self.step_config = cfg = algo_lib.StepConfig.from_config(config)
+    self.mesh = mesh if mesh is not None else parallel.make_mesh(config.mesh)
+    parallel.check_layout(config, self.mesh, model_config)
+    rules = config.mesh.rules
+    o = config.optim
+    self.policy_spec, policy_state, policy_sh = state_lib.create_train_state(
+        policy, optim_lib.make_optimizer(o, o.actor_lr), self.mesh, rules)
+    rep = parallel.replicated(self.mesh)
+    self.critic_spec, critic_state, critic_sh = None, None, None
+    if cfg.uses_critic:
+      if critic is None:
+        critic = default_critic(policy, int(config.seed) + 1)
+      self.critic_spec, critic_state, critic_sh = state_lib.create_train_state(
+          critic, optim_lib.make_optimizer(o, o.critic_lr), self.mesh, rules,
+          trainable=critic_trainable(bool(o.freeze_critic_attention)))
+    step0 = jax.device_put(jnp.zeros((), jnp.int32), rep)
+    self.state = steps_lib.LearnerState(policy=policy_state, critic=critic_state, step=step0)
+    self.state_shardings = steps_lib.LearnerState(policy=policy_sh, critic=critic_sh, step=rep)
+
+    # Reference policy for the KL penalty: a frozen copy of the initial policy.
+    self.ref_graphdef, self.ref_state, ref_sh = None, None, None
+    if cfg.kl_coef > 0:
+      model = state_lib.merge(self.policy_spec, policy_state)
+      self.ref_graphdef, ref = nnx.split(model)
+      ref_sh = parallel.tree_shardings(ref, self.mesh, rules)
+      self.ref_state = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=ref_sh)(ref)
+
+    if cfg.uses_critic:
+      fn = steps_lib.make_sao_step(cfg, self.policy_spec, self.critic_spec, self.mesh, self.ref_graphdef)
+    else:
+      fn = steps_lib.make_group_step(cfg, self.policy_spec, self.mesh, self.ref_graphdef)
+    batch_sh = Batch(*(parallel.batch_sharding(self.mesh, n) for n in (2, 2, 2, 2, 1, 1, 1, 1)))
+    self._step_fn = jax.jit(fn, in_shardings=(self.state_shardings, batch_sh, ref_sh),
+                            out_shardings=(self.state_shardings, rep), donate_argnums=(0,))
+    self._batch_shardings = batch_sh
+    self.max_consecutive_skips = int(o.max_consecutive_skips)
+    self.last_step_time_s = float('nan')
+
+  # ---- Batches.
+
+  def put_batch(self, batch: Batch) -> Batch:
+    """Global row-sharded arrays from a host batch.
+
+    One process: `batch` is the whole batch. Several processes: `batch` holds this process's rows
+    (`parallel.local_row_range`) and the global batch is assembled without any host seeing all of it.
+    Arrays that already are global `jax.Array`s are passed through.
+    """
+    leaves = jax.tree.leaves(batch)
+    if all(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+      return batch
+    dtypes = dict(tokens=np.int32, action_mask=np.float32, behavior_logprobs=np.float32, rewards=np.float32,
+                  truncated=bool, group_ids=np.int32, row_mask=np.float32, policy_version=np.int32)
+    local = Batch(**{k: np.asarray(getattr(batch, k), dtypes[k]) for k in dtypes})
+    if not self.step_config.uses_critic:
+      check_groups(local.group_ids, local.row_mask, self.step_config.group_size)
+    if jax.process_count() == 1:
+      return jax.device_put(local, self._batch_shardings)
+    rows = local.tokens.shape[0] * jax.process_count()
+    return parallel.global_batch(local, self.mesh, rows)
+
+  # ---- Update.
+
+  def update(self, batch: Batch) -> dict[str, float]:
+    """One learner step on `batch`; returns host metrics (floats) including throughput.
+
+    Raises:
+      NonFiniteUpdateError: after `config.optim.max_consecutive_skips` consecutive skipped updates.
+    """
+    t0 = time.perf_counter()
+    batch = self.put_batch(batch)
+    self.state, metrics = self._step_fn(self.state, batch, self.ref_state)
+    counters = {'policy': self.state.policy.consecutive_skips}
+    if self.state.critic is not None:
+      counters['critic'] = self.state.critic.consecutive_skips
+    host = parallel.to_host((metrics, counters))
+    metrics, counters = host
+    dt = time.perf_counter() - t0
+    self.last_step_time_s = dt
+    out = {k: float(v) for k, v in metrics.items()}
+    b, t = batch.tokens.shape
+    out['perf/step_time_s'] = dt
+    out['perf/tokens_per_s'] = b * t / dt
+    out['perf/action_tokens_per_s'] = out['batch/action_tokens'] / dt
+    skipped = out.get('policy/skipped', 0.0) + out.get('critic/skipped', 0.0)
+    if skipped:
+      logging.warning('learner step %d: %d update(s) skipped for a non-finite loss or gradient '
+                      '(consecutive: %s).', self.step, int(skipped), {k: int(v) for k, v in counters.items()})
+    worst = max(int(v) for v in counters.values())
+    if self.max_consecutive_skips and worst >= self.max_consecutive_skips:
+      raise NonFiniteUpdateError(
+          f'{worst} consecutive updates had a non-finite loss or gradient (config.optim.max_consecutive_skips='
+          f'{self.max_consecutive_skips}); counters {dict((k, int(v)) for k, v in counters.items())}. '
+          'Check the batch (rewards, behaviour log-probs) and the learning rates.')
+    return out
+
+  # ---- Accessors.
+
+  @property
+  def step(self) -> int:
+    return int(parallel.to_host(self.state.step))
+
+  def policy_model(self) -> nnx.Module:
+    """The current policy as a module (arrays stay sharded on the learner mesh)."""
+    return state_lib.merge(self.policy_spec, self.state.policy)
+
+  def critic_model(self) -> nnx.Module | None:
+    if self.critic_spec is None:
+      return None
+    return state_lib.merge(self.critic_spec, self.state.critic)
+
+  def policy_state(self) -> nnx.State:
+    """All of the policy's state (params and the rest) for publishing to the sampler."""
+    return nnx.state(self.policy_model())

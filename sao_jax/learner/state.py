@@ -1,0 +1,129 @@
+"""Train states: one per model (policy, critic), sharded from their logical-axis metadata.
+
+A model is split with an NNX filter into the *trainable* parameters and the *rest* (frozen parameters,
+such as the critic's attention under SAO, plus any non-parameter variables). Gradients are taken only
+w.r.t. the trainable part and the optimizer is initialised on it alone, so frozen leaves have neither
+gradients nor optimizer state: that is how frozen attention saves memory and compute, not a zero mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from sao_jax import parallel
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Device state of one model.
+
+  Attributes:
+    params: trainable parameters (`nnx.State`); the only leaves with gradients and optimizer state.
+    rest: everything else of the model (`nnx.State`): frozen parameters, non-parameter variables.
+    opt_state: optax state over `params`.
+    step: optimizer updates applied (int32 scalar).
+    skipped: updates skipped because the loss or gradient was non-finite (int32, total).
+    consecutive_skips: skips since the last applied update (int32).
+  """
+  params: Any
+  rest: Any
+  opt_state: Any
+  step: jax.Array
+  skipped: jax.Array
+  consecutive_skips: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """Static side of a train state: how to rebuild the module and update it."""
+  graphdef: Any
+  tx: optax.GradientTransformation
+  trainable: Any  # The nnx filter that selects `TrainState.params`.
+
+
+def _counter() -> jax.Array:
+  return jnp.zeros((), jnp.int32)
+
+
+def place(tree: Any, shardings: Any) -> Any:
+  """Puts a host/device tree onto `shardings`; works across processes (every process holds the same tree)."""
+  def one(x, s):
+    if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
+      return jax.device_put(x, s)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+  return jax.tree.map(one, tree, shardings)
+
+
+def create_train_state(model: nnx.Module | Callable[[], nnx.Module], tx: optax.GradientTransformation,
+                       mesh: Mesh, rules, *, trainable: Any = nnx.Param
+                       ) -> tuple[ModelSpec, TrainState, TrainState]:
+  """Builds a sharded train state.
+
+  Args:
+    model: a module (its values are placed onto the mesh), or a zero-argument function that creates
+      one (run under `jax.jit` with sharded outputs, so a large model is never whole on one device).
+    tx: the optimizer.
+    mesh: learner mesh.
+    rules: `config.mesh.rules`.
+    trainable: nnx filter of the leaves that train (e.g. `nnx.All(nnx.Param, nnx.Not(CRITIC_ATTENTION))`).
+
+  Returns:
+    `(spec, state, shardings)`: static spec, the state, and a `TrainState` of `NamedSharding`s
+    (for jit in/out shardings).
+  """
+  if callable(model) and not isinstance(model, nnx.Module):
+    model_fn = model
+
+    def split_fn():
+      with nnx.use_eager_sharding(False):
+        return nnx.split(model_fn(), trainable, ...)
+
+    graphdef, abs_params, abs_rest = _abstract_split(split_fn)
+    p_sh = parallel.tree_shardings(abs_params, mesh, rules)
+    r_sh = parallel.tree_shardings(abs_rest, mesh, rules)
+    params, rest = jax.jit(lambda: split_fn()[1:], out_shardings=(p_sh, r_sh))()
+  else:
+    graphdef, params, rest = nnx.split(model, trainable, ...)
+    p_sh = parallel.tree_shardings(params, mesh, rules)
+    r_sh = parallel.tree_shardings(rest, mesh, rules)
+    params, rest = place(params, p_sh), place(rest, r_sh)
+  o_sh = parallel.tree_shardings(jax.eval_shape(tx.init, params), mesh, rules)
+  opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+  rep = parallel.replicated(mesh)
+  counters = jax.jit(lambda: (_counter(), _counter(), _counter()), out_shardings=(rep, rep, rep))()
+  state = TrainState(params, rest, opt_state, *counters)
+  shardings = TrainState(p_sh, r_sh, o_sh, rep, rep, rep)
+  return ModelSpec(graphdef, tx, trainable), state, shardings
+
+
+def _abstract_split(split_fn):
+  """`nnx.split` of a model built abstractly (shapes only) -> (graphdef, abstract params, abstract rest)."""
+  box = {}
+
+  def f():
+    graphdef, params, rest = split_fn()
+    box['graphdef'] = graphdef
+    return params, rest
+
+  abs_params, abs_rest = jax.eval_shape(f)
+  return box['graphdef'], abs_params, abs_rest
+
+
+def merge(spec: ModelSpec, state: TrainState) -> nnx.Module:
+  """The module of a train state (inside or outside jit)."""
+  return nnx.merge(spec.graphdef, state.params, state.rest)
+
+
+def num_elements(tree: Any) -> int:
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
