@@ -10,8 +10,9 @@ Isolation, strongest available first:
     directory and a clean environment; the host filesystem stays visible (read as an unprivileged user).
     A warning says that isolation is weaker.
   * 'rlimits' (neither works): resource limits and the timeout only; a warning says so.
-In every mode: the program runs as an unprivileged uid when the parent is root (so the process-count limit
-binds), with rlimits CPU, AS (address space), FSIZE (file size) and NPROC set in the child before exec, and a
+In every mode: the program runs as an unprivileged uid when the parent is root: a fresh uid drawn per run
+from `UID_RANGE` (no user owns it), so the process-count limit binds and is not shared between concurrent
+sandboxes (one program's fork bomb cannot starve another's), with rlimits CPU, AS (address space), FSIZE (file size) and NPROC set in the child before exec, and a
 wall-clock timeout that SIGKILLs the whole process group (and, with a pid namespace, everything in it).
 The program is fed on stdin (nothing is written to the host's disk); stdout/stderr are capped.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import random
 import resource
 import shutil
 import signal
@@ -32,7 +34,8 @@ import time
 from absl import logging
 
 _SYSTEM_PYTHON = '/usr/bin/python3'
-_NOBODY = 65534
+UID_RANGE = (200_000, 265_536)  # Per-run sandbox uids when the parent is root (above the usual user ranges).
+_PROBE_UID = UID_RANGE[0] - 1
 
 
 class SandboxError(RuntimeError):
@@ -59,6 +62,7 @@ class SandboxResult:
   timed_out: bool
   isolation: str  # 'bwrap', 'unshare' or 'rlimits'.
   wall_s: float
+  uid: int | None = None  # The uid the program ran as (None: the parent's own).
 
 
 @functools.cache
@@ -72,8 +76,8 @@ def _works(argv: tuple[str, ...], as_uid: int | None) -> bool:
     return False
 
 
-def _sandbox_uid() -> int | None:
-  return _NOBODY if os.geteuid() == 0 else None
+def _is_root() -> bool:
+  return os.geteuid() == 0
 
 
 def _system_links() -> list[str]:
@@ -151,7 +155,7 @@ sys.exit(124 if timed_out else (os.waitstatus_to_exitcode(status) % 256))
 
 def detect_isolation(python: str = _SYSTEM_PYTHON) -> str:
   """The strongest isolation that works on this machine: 'bwrap', 'unshare' or 'rlimits'."""
-  uid = _sandbox_uid()
+  uid = _PROBE_UID if _is_root() else None
   if shutil.which('bwrap') and _works(tuple(bwrap_argv(python, SandboxLimits())[:-1] + ['-c', 'pass']), uid):
     return 'bwrap'
   if shutil.which('unshare') and _works(_UNSHARE + (python, '-I', '-c', 'pass'), uid):
@@ -168,7 +172,8 @@ class Sandbox:
       raise SandboxError(f'Sandbox interpreter {python!r} not found.')
     self.limits = limits
     self.python = python
-    self.uid = _sandbox_uid()
+    self.drops_uid = _is_root()
+    self._uids = random.SystemRandom()
     self.isolation = detect_isolation(python) if isolation == 'auto' else isolation
     if self.isolation not in ('bwrap', 'unshare', 'rlimits'):
       raise ValueError(f'isolation={isolation!r}: auto, bwrap, unshare or rlimits.')
@@ -180,7 +185,7 @@ class Sandbox:
 
   def _nproc(self) -> int:
     """RLIMIT_NPROC counts every process of the uid: as a non-root user, leave room for the ones it has."""
-    if self.uid is not None:
+    if self.drops_uid:
       return self.limits.max_procs
     me, count = os.getuid(), 0
     for pid in os.listdir('/proc'):
@@ -204,13 +209,13 @@ class Sandbox:
       resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     return fn
 
-  def _argv(self) -> list[str]:
+  def _argv(self, uid: int | None) -> list[str]:
     if self.isolation == 'bwrap':
       return bwrap_argv(self.python, self.limits)
     if self.isolation == 'unshare':
       return list(_UNSHARE) + [self.python, '-I', '-']
-    return [self.python, '-I', '-c', _REAPER, str(-1 if self.uid is None else self.uid),
-            str(self.limits.timeout_s), self.python, '-I', '-']
+    return [self.python, '-I', '-c', _REAPER, str(-1 if uid is None else uid), str(self.limits.timeout_s),
+            self.python, '-I', '-']
 
   def run(self, program: str, *, stdin_extra: str = '') -> SandboxResult:
     """Runs `program` (Python source) and returns its exit status and capped output.
@@ -219,25 +224,27 @@ class Sandbox:
       SandboxError: the sandbox could not start (e.g. bwrap failed), as opposed to the program failing.
     """
     with self._slots:
+      uid = self._uids.randrange(*UID_RANGE) if self.drops_uid else None
       workdir = None
       if self.isolation != 'bwrap':
         workdir = tempfile.mkdtemp(prefix='sao_sandbox_')
-        if self.uid is not None:
-          os.chown(workdir, self.uid, self.uid)
+        if uid is not None:
+          os.chown(workdir, uid, uid)
       try:
-        return self._run(program + stdin_extra, workdir)
+        return self._run(program + stdin_extra, workdir, uid)
       finally:
         if workdir is not None:
           shutil.rmtree(workdir, ignore_errors=True)
 
-  def _run(self, program: str, workdir: str | None) -> SandboxResult:
+  def _run(self, program: str, workdir: str | None, uid: int | None) -> SandboxResult:
     env = {'PATH': '/usr/bin:/bin', 'LANG': 'C.UTF-8', 'HOME': workdir or '/tmp'}
-    uid = None if self.isolation == 'rlimits' else self.uid  # The reaper switches uid itself.
+    run_as = None if self.isolation == 'rlimits' else uid  # The reaper switches uid itself.
     t0 = time.monotonic()
     try:
       proc = subprocess.Popen(
-          self._argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
-          env=env, start_new_session=True, user=uid, group=uid, extra_groups=[] if uid is not None else None,
+          self._argv(uid), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
+          env=env, start_new_session=True, user=run_as, group=run_as,
+          extra_groups=[] if run_as is not None else None,
           preexec_fn=self._preexec(), close_fds=True)
     except OSError as e:
       raise SandboxError(f'Cannot start the sandbox: {e}') from e
@@ -275,7 +282,7 @@ class Sandbox:
       raise SandboxError(f'bubblewrap failed: {stderr.strip()[:500]}')
     return SandboxResult(returncode=None if timed_out else proc.returncode,
                          stdout=bufs['out'].decode('utf-8', 'replace'), stderr=stderr, timed_out=timed_out,
-                         isolation=self.isolation, wall_s=time.monotonic() - t0)
+                         isolation=self.isolation, wall_s=time.monotonic() - t0, uid=uid)
 
   @staticmethod
   def _kill_group(pgid: int) -> None:

@@ -1,5 +1,6 @@
 """The code sandbox against hostile programs: each is contained, the parent lives, nothing leaks out."""
 
+from concurrent import futures
 import os
 import shutil
 import socket
@@ -71,11 +72,30 @@ class SandboxBwrapTest(absltest.TestCase):
                     '  print("capped", n, flush=True)\n')
     self.assertIn('capped', r.stdout)
     self.assertLessEqual(int(r.stdout.split()[-1]), _FAST.max_procs)
-    if self.sb.uid is not None:  # Everything in the sandbox's pid namespace died with it.
+    if r.uid is not None:  # Everything in the sandbox's pid namespace died with it.
       deadline = time.monotonic() + 3
-      while _sandbox_uid_processes(self.sb.uid) and time.monotonic() < deadline:
+      while _sandbox_uid_processes(r.uid) and time.monotonic() < deadline:
         time.sleep(0.05)
-      self.assertEqual(_sandbox_uid_processes(self.sb.uid), [])
+      self.assertEqual(_sandbox_uid_processes(r.uid), [])
+
+  def test_a_fork_bomb_does_not_starve_a_concurrent_sandbox(self):
+    sb = sandbox_lib.Sandbox(_FAST, isolation='bwrap', max_concurrent=2)
+    bomb = ('import os, time\n'
+            'try:\n'
+            '  while True:\n'
+            '    if os.fork() == 0:\n'
+            '      time.sleep(60)\n'
+            'except OSError:\n'
+            '  time.sleep(60)\n')  # Holds every process it could get until the wall clock.
+    with futures.ThreadPoolExecutor(1) as pool:
+      held = pool.submit(sb.run, bomb)
+      runs = []
+      while not held.done():
+        runs.append(sb.run('print(6 * 7)'))
+    self.assertTrue(held.result().timed_out)
+    self.assertGreaterEqual(len(runs), 3)
+    self.assertTrue(all(r.stdout.strip() == '42' for r in runs), [r.stderr for r in runs if r.stderr][:1])
+    self.assertNotIn(held.result().uid, {r.uid for r in runs})
 
   def test_huge_allocation_fails_inside(self):
     r = self.sb.run('x = bytearray(8 * 1024**3)\nprint("allocated")')
@@ -206,11 +226,11 @@ class SandboxFallbackTest(parameterized.TestCase):
     r = sb.run('import os, time\nn = 0\ntry:\n  while True:\n    if os.fork() == 0:\n'
                '      os.setsid()\n      time.sleep(30)\n    n += 1\nexcept OSError:\n  print(n, flush=True)\n')
     self.assertLessEqual(int(r.stdout.split()[-1]), _FAST.max_procs)
-    if sb.uid is not None:  # Nothing outlives the run, not even children that left the session.
+    if r.uid is not None:  # Nothing outlives the run, not even children that left the session.
       deadline = time.monotonic() + 3
-      while _sandbox_uid_processes(sb.uid) and time.monotonic() < deadline:
+      while _sandbox_uid_processes(r.uid) and time.monotonic() < deadline:
         time.sleep(0.05)
-      self.assertEqual(_sandbox_uid_processes(sb.uid), [])
+      self.assertEqual(_sandbox_uid_processes(r.uid), [])
       self.assertEqual(sb.run('print(1)').stdout.strip(), '1')
     os.environ['SAO_SANDBOX_TEST_SECRET'] = 'hunter2-secret'
     try:
