@@ -1,4 +1,4 @@
-"""calculator: multi-turn tool use (`<calc>expr</calc>` -> `<result>v</result>`), the skip-observation GAE task.
+"""calculator: multi-turn tool use (`<calc>expr</calc>` -> `<result>v</result>`); exercises skip-obs GAE.
 
 Usage: `python -m sao_jax.main --config=configs/calculator.py[:MAX_TURNS]` (default 4 turns).
 """

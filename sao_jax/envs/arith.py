@@ -102,7 +102,7 @@ class ArithEnv(base.BaseEnv):
 
 
 class GeneratedTask(base.Task):
-  """A task whose problems come from `make_example(rng)`; eval set from a fixed stream, disjoint from train."""
+  """Problems from `make_example(rng)`; the eval set comes from a fixed stream, disjoint from train."""
 
   def __init__(self, *, max_turns: int, eval_size: int):
     super().__init__(max_turns=max_turns, eval_size=eval_size)

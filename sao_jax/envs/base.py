@@ -98,7 +98,7 @@ class Env(Protocol):
   max_turns: int
   observation_mode: str  # 'inline' or 'message'.
   observation_role: str  # Chat role of 'message' observations.
-  stop_texts: tuple[str, ...]  # Texts that end a model turn besides the tokenizer's stop ids (e.g. '</calc>').
+  stop_texts: tuple[str, ...]  # Texts ending a model turn besides the tokenizer's stop ids ('</calc>').
 
   def reset(self, example: Example | None = None) -> list[Message]:
     ...

@@ -39,7 +39,7 @@ class CalculatorOptions(arith.ArithOptions):
   max_ops: int = 2  # Most operators in a problem.
   answer_format: str = 'tag'  # The final answer format (the tool tags are fixed).
   observation_mode: str = 'inline'  # 'inline' (result appended in the assistant stream) or 'message'.
-  observation_role: str = 'user'  # Chat role of observations in 'message' mode (e.g. 'tool' for HF templates).
+  observation_role: str = 'user'  # Chat role of 'message' observations ('tool' where the template has it).
   max_expression_chars: int = 200  # Longest expression the tool accepts.
   max_abs: float = 1e40  # Bound on |value| of any intermediate result of the tool.
   max_exponent: int = 64  # Bound on exponents the tool accepts.

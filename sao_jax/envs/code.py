@@ -98,7 +98,7 @@ class CodeOptions:
   asserts_field: str = 'test_list'  # Field with assert-statement tests (MBPP style); either kind suffices.
   id_field: str = 'task_id'  # Field with a problem id ('' or missing = the row number).
   reward: str = 'all'  # 'all' (1 iff every test passes) or 'fraction' (share of tests passed).
-  feedback: str = 'inputs'  # Observation after a failed attempt: summary, inputs (+ got) or full (+ expected).
+  feedback: str = 'inputs'  # After a failed attempt: summary, inputs (+ got) or full (+ expected).
   max_feedback_chars: int = 600  # Cap on the observation text.
   timeout_s: float = 10.0  # Wall-clock limit of one attempt (all its tests).
   per_test_timeout_s: float = 2.0  # Limit of one test (SIGALRM inside the sandbox).
@@ -277,8 +277,8 @@ class CodeTask(base.Task):
           tests = json.loads(tests)
         except json.JSONDecodeError as e:
           raise datasets.BadRow(f'field {o.tests_field!r} is not JSON') from e
-      if not isinstance(tests, list) or any(
-          not isinstance(t, dict) or not isinstance(t.get('input'), list) or 'output' not in t for t in tests):
+      if not isinstance(tests, list) or any(not isinstance(t, dict) or not isinstance(t.get('input'), list)
+                                            or 'output' not in t for t in tests):
         raise datasets.BadRow(f'field {o.tests_field!r} must be a list of {{"input": [...], "output": ...}}')
       if not isinstance(asserts, list) or any(not isinstance(a, str) for a in asserts):
         raise datasets.BadRow(f'field {o.asserts_field!r} must be a list of strings')
@@ -290,6 +290,9 @@ class CodeTask(base.Task):
                           data={'entry_point': entry, 'tests': tests, 'asserts': asserts, 'row': n})
 
     return datasets.build_examples(datasets.read_rows(path, field), convert, path=path, field=field)
+
+  def train_examples(self) -> list[base.Example]:
+    return list(self._train)
 
   def train_iterator(self, seed: int) -> base.ShuffledIterator:
     return base.ShuffledIterator(self._train, seed)

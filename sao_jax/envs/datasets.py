@@ -56,7 +56,8 @@ def read_rows(path: str, field: str) -> list[tuple[int, Any]]:
       if isinstance(data, dict):
         data = data.get('data', data.get('rows'))
       if not isinstance(data, list):
-        raise ConfigError(f'config.{field}={path!r}: a JSON file must hold a list of rows (or {{"data": [...]}}).')
+        raise ConfigError(f'config.{field}={path!r}: a JSON file must hold a list of rows '
+                          '(or {"data": [...]}).')
       return list(enumerate(data, 1))
     if ext == 'csv':
       with open(path, encoding='utf-8', newline='') as f:
@@ -109,7 +110,8 @@ def _norm(text: str) -> str:
 
 
 def split(examples: Sequence[base.Example], eval_size: int, *,
-          eval_examples: Sequence[base.Example] | None = None) -> tuple[list[base.Example], list[base.Example]]:
+          eval_examples: Sequence[base.Example] | None = None
+          ) -> tuple[list[base.Example], list[base.Example]]:
   """(train, eval): disjoint by normalised prompt text.
 
   Without `eval_examples`, eval is the first `eval_size` examples of a permutation fixed by `SPLIT_SEED`.

@@ -36,7 +36,8 @@ def parse_phase(spec: str, field: str) -> dict[str, Any]:
     key, sep, raw = item.partition('=')
     key, raw = key.strip(), raw.strip()
     if not sep or key not in _PHASE_KEYS:
-      raise ConfigError(f'config.{field}={spec!r}: {item!r} is not key=value with a key in {list(_PHASE_KEYS)}.')
+      raise ConfigError(f'config.{field}={spec!r}: {item!r} is not key=value with a key in '
+                        f'{list(_PHASE_KEYS)}.')
     kind = hints[key]
     try:
       if kind is bool:
@@ -46,7 +47,8 @@ def parse_phase(spec: str, field: str) -> dict[str, Any]:
       else:
         out[key] = kind(raw)
     except ValueError:
-      raise ConfigError(f'config.{field}={spec!r}: {raw!r} is not a valid {kind.__name__} for {key}.') from None
+      raise ConfigError(
+          f'config.{field}={spec!r}: {raw!r} is not a valid {kind.__name__} for {key}.') from None
   return out
 
 

@@ -13,10 +13,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+from sao_jax import types
+from sao_jax.envs import base
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -63,6 +66,36 @@ class ProblemResult:
     n, c = len(self.correct), sum(self.correct)
     d['num_samples'], d['num_correct'] = n, c
     return d
+
+
+def response_text(traj: types.Trajectory, decode: Callable[[Sequence[int]], str]) -> str:
+  """Everything after the prompt (actions and observations), decoded."""
+  first = int(np.argmax(traj.action_mask)) if traj.action_mask.any() else len(traj.tokens)
+  return decode(traj.tokens[first:].tolist())
+
+
+def is_correct(traj: types.Trajectory) -> bool:
+  """The task's verdict (`info['correct']`), else reward >= 1; never for truncated or failed episodes."""
+  if traj.truncated or 'error' in traj.info:
+    return False
+  return bool(traj.info.get('correct', traj.reward >= 1.0))
+
+
+def problem_result(example: base.Example, *, greedy: types.Trajectory | None = None,
+                   samples: Sequence[types.Trajectory] = (),
+                   decode: Callable[[Sequence[int]], str]) -> ProblemResult:
+  """Collects one problem's greedy and sampled episodes; env errors go to `errors`."""
+  errors = [str(t.info['error']) for t in ([greedy] if greedy is not None else []) + list(samples)
+            if 'error' in t.info]
+  ref = greedy if greedy is not None else (samples[0] if samples else None)
+  info = {} if ref is None else {k: ref.info[k] for k in ('phase',) if k in ref.info}
+  return ProblemResult(
+      uid=example.uid, prompt=example.prompt, answer=example.answer,
+      greedy_response=None if greedy is None else response_text(greedy, decode),
+      greedy_reward=None if greedy is None else float(greedy.reward),
+      greedy_correct=None if greedy is None else is_correct(greedy),
+      responses=[response_text(t, decode) for t in samples], rewards=[float(t.reward) for t in samples],
+      correct=[is_correct(t) for t in samples], errors=errors, info=info)
 
 
 def default_ks(n: int) -> list[int]:
@@ -113,7 +146,8 @@ def write_jsonl(path: str, results: Iterable[ProblemResult]) -> int:
 def read_jsonl(path: str) -> list[ProblemResult]:
   fields = {f.name for f in dataclasses.fields(ProblemResult)}
   with open(path, encoding='utf-8') as f:
-    return [ProblemResult(**{k: v for k, v in json.loads(line).items() if k in fields}) for line in f if line.strip()]
+    rows = [json.loads(line) for line in f if line.strip()]
+  return [ProblemResult(**{k: v for k, v in row.items() if k in fields}) for row in rows]
 
 
 def format_table(summary: dict[str, float], *, title: str = '') -> str:

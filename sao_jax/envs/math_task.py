@@ -111,6 +111,9 @@ class MathTask(base.Task):
       self._checker = verifier_lib.shared_verifier(self.opts.verify_workers, self.opts.verify_timeout_s)
     return self._checker
 
+  def train_examples(self) -> list[base.Example]:
+    return list(self._train)
+
   def train_iterator(self, seed: int) -> base.ShuffledIterator:
     return base.ShuffledIterator(self._train, seed)
 

@@ -9,11 +9,13 @@ Isolation, strongest available first:
   * 'unshare' (bwrap missing): `unshare --map-root-user --net --pid --fork --kill-child` + an empty working
     directory and a clean environment; the host filesystem stays visible (read as an unprivileged user).
     A warning says that isolation is weaker.
-  * 'rlimits' (neither works): resource limits and the timeout only; a warning says so.
+  * 'rlimits' (neither works): resource limits, the timeout, and a trusted subreaper that kills whatever
+    the program leaves behind; no filesystem or network isolation; a warning says so.
 In every mode: the program runs as an unprivileged uid when the parent is root: a fresh uid drawn per run
 from `UID_RANGE` (no user owns it), so the process-count limit binds and is not shared between concurrent
-sandboxes (one program's fork bomb cannot starve another's), with rlimits CPU, AS (address space), FSIZE (file size) and NPROC set in the child before exec, and a
-wall-clock timeout that SIGKILLs the whole process group (and, with a pid namespace, everything in it).
+sandboxes (one program's fork bomb cannot starve another's), with rlimits CPU, AS (address space), FSIZE
+(file size) and NPROC set in the child before exec, and a wall-clock timeout that SIGKILLs the whole
+process group (and, with a pid namespace, everything in it).
 The program is fed on stdin (nothing is written to the host's disk); stdout/stderr are capped.
 """
 

@@ -84,7 +84,7 @@ class ArithTest(parameterized.TestCase):
       nums = ex.data['expression'].split('*')
       self.assertBetween(len(nums), 3, 4)
       self.assertTrue(all(len(n) == 3 for n in nums))
-      self.assertEqual(int(ex.answer), eval(ex.data['expression']))  # pylint: disable=eval-used  (test oracle)
+      self.assertEqual(int(ex.answer), eval(ex.data['expression']))  # pylint: disable=eval-used
       self.assertIn('<answer>N</answer>', ex.prompt)
 
   def test_eval_fixed_and_disjoint_from_train(self):

@@ -15,11 +15,12 @@ _FAST = {'timeout_s': 3.0, 'per_test_timeout_s': 0.5, 'cpu_s': 2, 'memory_mb': 2
 
 
 def _task(max_turns=2, **kwargs):
-  return envs.get_task({'name': 'code', 'max_turns': max_turns, 'eval_size': 4, 'kwargs': {**_FAST, **kwargs}})
+  return envs.get_task({'name': 'code', 'max_turns': max_turns, 'eval_size': 4,
+                        'kwargs': {**_FAST, **kwargs}})
 
 
 def _by_entry(task, entry):
-  for ex in task.eval_set() + task._train:  # pylint: disable=protected-access
+  for ex in task.eval_set() + task.train_examples():
     if ex.data['entry_point'] == entry:
       return ex
   raise KeyError(entry)
@@ -149,8 +150,9 @@ class CodeDataTest(absltest.TestCase):
         f.write((r if isinstance(r, str) else json.dumps(r)) + '\n')
     try:
       with self.assertLogs(level='WARNING') as logs:
-        task = envs.get_task({'name': 'code', 'max_turns': 1, 'eval_size': 1, 'kwargs': {'data_file': f.name}})
-      self.assertEqual(len(task.eval_set()) + len(task._train), 2)  # pylint: disable=protected-access
+        task = envs.get_task({'name': 'code', 'max_turns': 1, 'eval_size': 1,
+                              'kwargs': {'data_file': f.name}})
+      self.assertEqual(len(task.eval_set()) + len(task.train_examples()), 2)
       text = '\n'.join(logs.output)
       self.assertIn('skipped 3 malformed row(s) of 5', text)
       for n in ('row 2:', 'row 3: invalid JSON', 'row 4: no tests'):
@@ -160,7 +162,8 @@ class CodeDataTest(absltest.TestCase):
 
   def test_missing_file_names_the_field(self):
     with self.assertRaisesRegex(ConfigError, r'config\.task\.kwargs\.data_file=.*no such file'):
-      envs.get_task({'name': 'code', 'max_turns': 1, 'eval_size': 1, 'kwargs': {'data_file': '/nonexistent.jsonl'}})
+      envs.get_task({'name': 'code', 'max_turns': 1, 'eval_size': 1,
+                     'kwargs': {'data_file': '/nonexistent.jsonl'}})
 
   def test_bad_option_names_the_field(self):
     with self.assertRaisesRegex(ConfigError, r'config\.task\.kwargs\.reward'):

@@ -9,7 +9,9 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
+from sao_jax import envs
 from sao_jax.envs import evaluation
+from sao_jax.models.tokenizers import CharTokenizer
 
 
 def _brute_pass_at_k(n, c, k):
@@ -89,6 +91,31 @@ class SummaryTest(absltest.TestCase):
     self.assertEqual(keys, ['num_errors', 'num_problems', 'num_samples', 'greedy_accuracy', 'greedy_reward',
                             'avg@1', 'avg@2', 'avg@4', 'pass@1', 'pass@2', 'pass@4'])
     self.assertIn('| 0.3333', table)
+
+
+class ProblemResultTest(absltest.TestCase):
+
+  def test_from_trajectories(self):
+    tok = CharTokenizer()
+    task = envs.get_task({'name': 'drift', 'max_turns': 1, 'eval_size': 2, 'kwargs': {}})
+    ex = task.eval_set()[0]
+
+    def play(text):
+      def gen(context, budget, stop_ids):
+        del context, budget, stop_ids
+        ids = tok.encode(text) + [tok.eos_id]
+        return ids, [-1.0] * len(ids)
+      return envs.run_episode(task.make_env(ex), tok, gen, limits=envs.EpisodeLimits(1, 32, 256))
+
+    right, wrong = play(f'<answer>{ex.answer}</answer>'), play('<answer>x</answer>')
+    broken = play('<answer>1</answer>')
+    broken.info['error'] = 'timeout'
+    r = evaluation.problem_result(ex, greedy=right, samples=[wrong, right, broken], decode=tok.decode)
+    self.assertEqual(r.greedy_response, f'<answer>{ex.answer}</answer>')
+    self.assertEqual((r.greedy_correct, r.correct), (True, [False, True, False]))
+    self.assertEqual(r.errors, ['timeout'])
+    self.assertEqual(r.info, {'phase': 0})
+    self.assertEqual(evaluation.summarize([r])['num_errors'], 1)
 
 
 if __name__ == '__main__':

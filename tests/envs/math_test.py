@@ -58,7 +58,7 @@ class VerifyAnswerTest(parameterized.TestCase):
 class WorkerPoolTest(absltest.TestCase):
 
   def test_timeout_kills_and_replaces_the_worker(self):
-    pool = verifier.WorkerPool(time.sleep, num_workers=1, timeout_s=0.5)  # (A function the child imports fast.)
+    pool = verifier.WorkerPool(time.sleep, num_workers=1, timeout_s=0.5)  # Imported fast by the child.
     try:
       self.assertIsNone(pool.call(0))
       t0 = time.monotonic()
@@ -93,11 +93,12 @@ class MathTaskTest(parameterized.TestCase):
 
   def test_rewards_on_the_sample(self):
     by_answer = {}
-    for ex in self.task.eval_set() + self.task._train:  # pylint: disable=protected-access
+    for ex in self.task.eval_set() + self.task.train_examples():
       by_answer.setdefault(ex.answer, ex)
     cases = [('\\frac{5}{6}', 'It is \\boxed{5/6}.', 1.0), ('\\frac{5}{6}', '\\boxed{\\frac{6}{5}}', 0.0),
              ('(-1, 1)', '$x \\in \\boxed{(-1,1)}$', 1.0), ('(-1, 1)', '\\boxed{[-1,1]}', 0.0),
-             ('1/4', '\\boxed{0.25}', 1.0), ('5\\sqrt{2}', '\\boxed{\\sqrt{50}}', 1.0), ('55', '\\boxed{56}', 0.0)]
+             ('1/4', '\\boxed{0.25}', 1.0), ('5\\sqrt{2}', '\\boxed{\\sqrt{50}}', 1.0),
+             ('55', '\\boxed{56}', 0.0)]
     for gold, response, want in cases:
       obs, reward, done, info = self._score(by_answer[gold], response)
       self.assertEqual((obs, reward, done), (None, want, True), (gold, response, info))
@@ -133,7 +134,7 @@ class MathTaskTest(parameterized.TestCase):
   )
   def test_benchmark_layouts(self, layout, filename, uid_prefix, an_answer):
     task = _math(layout=layout, data_file=os.path.join(_DATA, filename), eval_size=1)
-    examples = task.eval_set() + task._train  # pylint: disable=protected-access
+    examples = task.eval_set() + task.train_examples()
     self.assertIn(an_answer, [e.answer for e in examples])
     self.assertTrue(any(e.uid.startswith(uid_prefix) for e in examples), [e.uid for e in examples])
     self.assertTrue(all('\\boxed{}' in e.prompt for e in examples))
@@ -144,9 +145,10 @@ class MathTaskTest(parameterized.TestCase):
       pq.write_table(pa.table({'question': ['What is $1+1$?', 'What is $2+2$?', ''],
                                'final': ['2', '4', '1'], 'qid': ['a', 'b', 'c']}), path)
       with self.assertLogs(level='WARNING') as logs:
-        task = _math(data_file=path, problem_field='question', answer_field='final', id_field='qid', eval_size=1)
+        task = _math(data_file=path, problem_field='question', answer_field='final', id_field='qid',
+                     eval_size=1)
       self.assertIn('row 3:', '\n'.join(logs.output))
-      self.assertCountEqual([e.uid for e in task.eval_set() + task._train],  # pylint: disable=protected-access
+      self.assertCountEqual([e.uid for e in task.eval_set() + task.train_examples()],
                             ['math:a', 'math:b'])
 
   def test_malformed_rows_are_counted_with_row_numbers(self):
@@ -162,7 +164,7 @@ class MathTaskTest(parameterized.TestCase):
       for want in ("row 2: missing field 'answer'", 'row 3: invalid JSON', 'row 4: not an object',
                    "row 6: field 'problem' must be a non-empty string"):
         self.assertIn(want, text)
-      self.assertEqual(sorted(e.answer for e in task.eval_set() + task._train), ['1', '5'])  # pylint: disable=protected-access
+      self.assertEqual(sorted(e.answer for e in task.eval_set() + task.train_examples()), ['1', '5'])
     finally:
       os.unlink(f.name)
 

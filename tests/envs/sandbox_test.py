@@ -170,7 +170,8 @@ class SandboxBwrapTest(absltest.TestCase):
     try:
       r = self.sb.run('import os\n'
                       'print(dict(os.environ))\n'
-                      'for p in ["/proc/self/environ", "/proc/1/environ", "/proc/%d/environ" % os.getppid()]:\n'
+                      'for p in ["/proc/self/environ", "/proc/1/environ",\n'
+                      '          "/proc/%d/environ" % os.getppid()]:\n'
                       '  try:\n'
                       '    print(open(p, "rb").read())\n'
                       '  except OSError as e:\n'
@@ -224,7 +225,8 @@ class SandboxFallbackTest(parameterized.TestCase):
     self.assertTrue(r.timed_out or r.returncode != 0)
     self.assertIn('MemoryError', sb.run('x = bytearray(8 * 1024**3)').stderr)
     r = sb.run('import os, time\nn = 0\ntry:\n  while True:\n    if os.fork() == 0:\n'
-               '      os.setsid()\n      time.sleep(30)\n    n += 1\nexcept OSError:\n  print(n, flush=True)\n')
+               '      os.setsid()\n      time.sleep(30)\n    n += 1\n'
+               'except OSError:\n  print(n, flush=True)\n')
     self.assertLessEqual(int(r.stdout.split()[-1]), _FAST.max_procs)
     if r.uid is not None:  # Nothing outlives the run, not even children that left the session.
       deadline = time.monotonic() + 3
