@@ -257,7 +257,8 @@ def _find_last(ids: Sequence[int], targets: set[int], start: int) -> int:
 
 
 def message_observation_ids(tokenizer: Tokenizer, history: list[Message], action_text: str,
-                            action_ended_with_stop: bool, observation: Message) -> list[int]:
+                            action_ended_with_stop: bool, observation: Message, *,
+                            _neutral: bool = False) -> list[int]:
   """Observation tokens of a 'message' observation, from the chat template.
 
   With R1 = template(history, gen=True), R3 = template(history + [assistant], gen=False) and
@@ -271,9 +272,13 @@ def message_observation_ids(tokenizer: Tokenizer, history: list[Message], action
   r3, _ = tokenizer.apply_chat_template(history + [assistant], add_generation_prompt=False)
   r2, _ = tokenizer.apply_chat_template(history + [assistant, observation], add_generation_prompt=True)
   if list(r2[:len(r3)]) != list(r3) or list(r3[:len(r1)]) != list(r1):
+    if _neutral:
+      raise ValueError('The chat template renders conversations inconsistently (a longer conversation does '
+                       'not extend a shorter one); message observations cannot be laid out.')
     logging.log_first_n(logging.WARNING, 'Chat template is not prefix-consistent; rendering observations '
                         'after a neutral history.', 1)
-    return message_observation_ids(tokenizer, [{'role': 'user', 'content': '.'}], '.', True, observation)
+    return message_observation_ids(tokenizer, [{'role': 'user', 'content': '.'}], '.', True, observation,
+                                   _neutral=True)
   close = _find_last(r3, set(tokenizer.stop_ids), len(r1))
   if close < 0:
     trailer = []

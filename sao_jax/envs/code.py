@@ -222,8 +222,6 @@ def feedback_text(report: TestReport, opts: CodeOptions) -> str:
     head += ' The run timed out.'
   if opts.feedback != 'summary' and report.lines:
     head += '\nFailed:\n' + '\n'.join(report.lines[:5])
-  if opts.feedback == 'summary':
-    head = head.split('\nFailed:')[0]
   return head[:opts.max_feedback_chars]
 
 

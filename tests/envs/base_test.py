@@ -122,6 +122,19 @@ class TwoTurnCalculatorEpisodeTest(parameterized.TestCase):
     self.assertEqual(self.tok.decode(ids, skip_special_tokens=False), '<|tool|>1<|end|><|assistant|>')
 
 
+  def test_inconsistent_template_is_refused(self):
+
+    class Shuffling(CharTokenizer):
+      """Renders messages in reverse order: longer conversations do not extend shorter ones."""
+
+      def apply_chat_template(self, messages, *, add_generation_prompt):
+        return super().apply_chat_template(list(messages)[::-1], add_generation_prompt=add_generation_prompt)
+
+    with self.assertRaisesRegex(ValueError, 'renders conversations inconsistently'):
+      envs.message_observation_ids(Shuffling(), [{'role': 'user', 'content': 'q'}], 'a', True,
+                                   {'role': 'tool', 'content': '1'})
+
+
 class RunEpisodeLimitsTest(absltest.TestCase):
 
   def setUp(self):

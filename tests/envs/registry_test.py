@@ -11,6 +11,7 @@ from sao_jax import config_lib
 from sao_jax import envs
 from sao_jax.config_lib import ConfigError
 from sao_jax.envs import base
+from sao_jax.models.tokenizers import CharTokenizer
 
 _TASK_CONFIGS = ('arith', 'calculator', 'code', 'math', 'drift', 'imo')
 
@@ -72,9 +73,14 @@ class TaskConfigTest(parameterized.TestCase):
     envs.validate_task_config(config)
     task = envs.get_task(config.task)
     self.assertLen(task.eval_set(), config.task.eval_size)
-    ex = next(task.train_iterator(config.seed))
-    env = task.make_env(ex)
-    self.assertEqual(env.reset()[-1]['role'], 'user')
+    tok = CharTokenizer()
+    longest = 0
+    for ex in task.eval_set() + [next(task.train_iterator(config.seed))]:
+      messages = task.make_env(ex).reset()
+      self.assertEqual(messages[-1]['role'], 'user')
+      ids, _ = tok.apply_chat_template(messages, add_generation_prompt=True)  # Encodable by the char tokenizer.
+      longest = max(longest, len(ids))
+    self.assertLess(longest + config.sampler.max_new_tokens, config.sampler.max_seq_len + 1)  # A turn fits.
     task.close()
 
   def test_validate_names_task_fields(self):
