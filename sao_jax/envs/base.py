@@ -300,6 +300,12 @@ class EpisodeLimits:
   max_new_tokens: int = 64
   max_seq_len: int = 256
 
+  @classmethod
+  def from_config(cls, config) -> 'EpisodeLimits':
+    """From `config.task.max_turns`, `config.sampler.max_new_tokens` and `config.sampler.max_seq_len`."""
+    return cls(max_turns=int(config.task.max_turns), max_new_tokens=int(config.sampler.max_new_tokens),
+               max_seq_len=int(config.sampler.max_seq_len))
+
 
 def stop_ids_for(env: Env, tokenizer: Tokenizer) -> tuple[int, ...]:
   """The tokenizer's end-of-turn ids plus the env's stop texts, each of which must be a single token."""

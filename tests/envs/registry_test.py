@@ -83,6 +83,10 @@ class TaskConfigTest(parameterized.TestCase):
     self.assertLess(longest + config.sampler.max_new_tokens, config.sampler.max_seq_len + 1)  # A turn fits.
     task.close()
 
+  def test_episode_limits_from_config(self):
+    config = importlib.import_module('configs.calculator').get_config()
+    self.assertEqual(envs.EpisodeLimits.from_config(config), envs.EpisodeLimits(4, 48, 512))
+
   def test_validate_names_task_fields(self):
     config = importlib.import_module('configs.math').get_config()
     config.task.kwargs.data_file = '/missing.jsonl'
