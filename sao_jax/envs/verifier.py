@@ -3,21 +3,33 @@
 `math_verify` parses LaTeX and plain answers into sympy and compares them (fractions, radicals, intervals,
 sets, ...). Sympy can take unbounded time on adversarial input (e.g. `9^{9^{9^9}}`), so every check runs in
 a worker process; a check that does not answer within `timeout_s` gets its worker SIGKILLed and replaced,
-and counts as wrong with `info['error']`. Workers are started once and reused (`spawn` start method: safe
-in a process that runs JAX threads).
+and the episode ends with `info['error']` (no reward). Workers are started once and reused.
+
+Workers are plain subprocesses (`python -c` running `_worker_loop`), not `multiprocessing`: nothing of the
+parent is re-imported (no main-module fix-up, which fails under absl apps run from stdin or notebooks, and
+no JAX), and they talk length-prefixed pickles over their stdin / a private copy of their stdout.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
-import multiprocessing as mp
+import importlib
+import os
+import pickle
 import queue
+import select
+import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 from absl import logging
+
+_HEADER = struct.Struct('>I')
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class WorkerTimeout(TimeoutError):
@@ -28,46 +40,90 @@ class WorkerError(RuntimeError):
   """The worker raised or died; the message carries the cause."""
 
 
-def _worker_main(conn, fn: Callable[..., Any], initializer: Callable[[], None] | None) -> None:
-  if initializer is not None:
-    initializer()
-  conn.send(('ready', None))
+def _write_frame(f: BinaryIO, obj: Any) -> None:
+  data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+  f.write(_HEADER.pack(len(data)) + data)
+  f.flush()
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+  buf = bytearray()
+  while len(buf) < n:
+    chunk = os.read(fd, n - len(buf))
+    if not chunk:
+      raise EOFError('worker closed its pipe')
+    buf += chunk
+  return bytes(buf)
+
+
+def _read_frame(fd: int) -> Any:
+  (n,) = _HEADER.unpack(_read_exact(fd, _HEADER.size))
+  return pickle.loads(_read_exact(fd, n))
+
+
+def _resolve(name: str) -> Callable[..., Any]:
+  module, _, qualname = name.partition(':')
+  obj: Any = importlib.import_module(module)
+  for part in qualname.split('.'):
+    obj = getattr(obj, part)
+  return obj
+
+
+def _callable_name(fn: Callable[..., Any]) -> str:
+  name = f'{fn.__module__}:{fn.__qualname__}'
+  if '<' in name or _resolve(name) is not fn:
+    raise ValueError(f'{fn!r} must be a module-level function (the worker imports it by name).')
+  return name
+
+
+def _worker_loop() -> None:
+  """Worker entry point (`python -c "...; _worker_loop()" FN [INIT]`): frames in on stdin, out on stdout."""
+  out = os.fdopen(os.dup(1), 'wb')
+  os.dup2(2, 1)  # Anything the function prints goes to stderr, not into the protocol.
+  fn = _resolve(sys.argv[1])
+  if len(sys.argv) > 2 and sys.argv[2]:
+    _resolve(sys.argv[2])()
+  _write_frame(out, ('ready', None))
+  stdin = sys.stdin.buffer.fileno()
   while True:
     try:
-      args = conn.recv()
-    except (EOFError, OSError):
+      args = _read_frame(stdin)
+    except EOFError:
       return
     if args is None:
       return
     try:
-      conn.send(('ok', fn(*args)))
+      reply = ('ok', fn(*args))
     except BaseException as e:  # pylint: disable=broad-except
-      conn.send(('err', f'{type(e).__name__}: {e}'))
+      reply = ('err', f'{type(e).__name__}: {e}')
+    _write_frame(out, reply)
 
 
 @dataclasses.dataclass
 class _Worker:
-  proc: Any
-  conn: Any
+  proc: subprocess.Popen
   ready: bool = False
 
 
 class WorkerPool:
   """`num_workers` processes running `fn(*args)`, each call bounded by `timeout_s`.
 
-  Thread-safe: up to `num_workers` calls run at once, others wait for a free worker. A worker that times out
-  or dies is killed and replaced (its startup time does not count against the next call's timeout).
+  `fn` (and `initializer`) must be module-level functions; args and results must pickle. Thread-safe: up to
+  `num_workers` calls run at once, others wait for a free worker. A worker that times out or dies is killed
+  and replaced (its replacement's startup does not count against the next call's timeout).
   """
 
   def __init__(self, fn: Callable[..., Any], *, num_workers: int = 2, timeout_s: float = 5.0,
                initializer: Callable[[], None] | None = None, startup_timeout_s: float = 120.0):
     if num_workers < 1:
       raise ValueError(f'num_workers must be >= 1, got {num_workers}.')
-    self._fn = fn
-    self._initializer = initializer
+    self._argv = [sys.executable, '-c', 'from sao_jax.envs.verifier import _worker_loop; _worker_loop()',
+                  _callable_name(fn), _callable_name(initializer) if initializer is not None else '']
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get('PYTHONPATH', '')]))
+    self._env = env
     self.timeout_s = timeout_s
     self._startup_timeout_s = startup_timeout_s
-    self._ctx = mp.get_context('spawn')
     self._idle: queue.Queue[_Worker] = queue.Queue()
     self._lock = threading.Lock()
     self._all: list[_Worker] = []
@@ -76,27 +132,36 @@ class WorkerPool:
       self._idle.put(self._spawn())
     atexit.register(self.close)
 
+  @property
+  def closed(self) -> bool:
+    return self._closed
+
   def _spawn(self) -> _Worker:
-    parent, child = self._ctx.Pipe()
-    proc = self._ctx.Process(target=_worker_main, args=(child, self._fn, self._initializer), daemon=True,
-                             name='sao-verifier')
-    proc.start()
-    child.close()
-    w = _Worker(proc, parent)
+    proc = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self._env,
+                            close_fds=True)
+    w = _Worker(proc)
     with self._lock:
       self._all.append(w)
     return w
 
   def _retire(self, w: _Worker) -> None:
-    try:
-      w.proc.kill()
-      w.proc.join(5)
-    except (OSError, ValueError):
-      pass
-    w.conn.close()
+    w.proc.kill()
+    w.proc.wait()
+    for f in (w.proc.stdin, w.proc.stdout):
+      try:
+        f.close()
+      except OSError:
+        pass
     with self._lock:
       if w in self._all:
         self._all.remove(w)
+
+  def _recv(self, w: _Worker, timeout: float) -> Any:
+    fd = w.proc.stdout.fileno()
+    ready, _, _ = select.select([fd], [], [], timeout)
+    if not ready:
+      raise TimeoutError
+    return _read_frame(fd)
 
   def call(self, *args: Any) -> Any:
     """`fn(*args)` in a worker. Raises `WorkerTimeout` or `WorkerError`."""
@@ -107,16 +172,17 @@ class WorkerPool:
     status, value = 'err', None
     try:
       if not w.ready:
-        if not w.conn.poll(self._startup_timeout_s):
-          raise EOFError(f'worker did not start within {self._startup_timeout_s}s')
-        w.conn.recv()
+        try:
+          self._recv(w, self._startup_timeout_s)
+        except TimeoutError:
+          raise EOFError(f'worker did not start within {self._startup_timeout_s}s') from None
         w.ready = True
-      w.conn.send(args)
-      if w.conn.poll(self.timeout_s):
-        status, value = w.conn.recv()
-      else:
+      _write_frame(w.proc.stdin, args)
+      try:
+        status, value = self._recv(w, self.timeout_s)
+      except TimeoutError:
         failure = WorkerTimeout(f'no answer within {self.timeout_s}s; worker killed')
-    except (EOFError, OSError) as e:  # The worker died (or never started).
+    except (EOFError, OSError, pickle.UnpicklingError, struct.error) as e:  # Died or never started.
       failure = WorkerError(f'worker died: {e!r}')
     if failure is not None:
       self._retire(w)
@@ -136,10 +202,6 @@ class WorkerPool:
     with self._lock:
       workers = list(self._all)
     for w in workers:
-      try:
-        w.conn.send(None)
-      except (OSError, ValueError):
-        pass
       self._retire(w)
 
 
@@ -198,6 +260,6 @@ def shared_verifier(num_workers: int = 2, timeout_s: float = 5.0) -> MathVerifie
   with _SHARED_LOCK:
     key = (num_workers, float(timeout_s))
     v = _SHARED.get(key)
-    if v is None or v.pool._closed:  # pylint: disable=protected-access
+    if v is None or v.pool.closed:
       v = _SHARED[key] = MathVerifier(num_workers=num_workers, timeout_s=timeout_s)
     return v

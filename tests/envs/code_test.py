@@ -6,10 +6,12 @@ import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import numpy as np
 
 from sao_jax import envs
 from sao_jax.config_lib import ConfigError
 from sao_jax.envs import code
+from sao_jax.models.tokenizers import CharTokenizer
 
 _FAST = {'timeout_s': 3.0, 'per_test_timeout_s': 0.5, 'cpu_s': 2, 'memory_mb': 256}
 
@@ -133,6 +135,34 @@ class CodeTaskTest(parameterized.TestCase):
     self.assertEmpty(ev & seen)
     ex = self.task.eval_set()[0]
     self.assertIn(f'`{ex.data["entry_point"]}`', ex.prompt)
+
+
+class CodeEpisodeTest(absltest.TestCase):
+
+  def test_two_attempt_episode_layout(self):
+    tok = CharTokenizer()
+    task = _task(max_turns=2)
+    ex = _by_entry(task, 'add')
+    attempts = ['```python\ndef add(a, b):\n  return a - b\n```',
+                '```python\ndef add(a, b):\n  return a + b\n```']
+    queue = list(attempts)
+
+    def gen(context, budget, stop_ids):
+      del context, budget, stop_ids
+      ids = tok.encode(queue.pop(0)) + [tok.eos_id]
+      return ids, [-0.5] * len(ids)
+
+    traj = envs.run_episode(task.make_env(ex), tok, gen, limits=envs.EpisodeLimits(2, 128, 1024))
+    self.assertEqual(traj.reward, 1.0)
+    self.assertFalse(traj.truncated)
+    report = code.feedback_text(code.TestReport(0, 3, ('add(1, 2) returned -1', 'add(-5, 5) returned -10',
+                                                       'add(100, 23) returned 77'), None, False, ''), task.opts)
+    whole, mask = tok.apply_chat_template(
+        ex.messages() + [{'role': 'assistant', 'content': attempts[0]}, {'role': 'user', 'content': report},
+                         {'role': 'assistant', 'content': attempts[1]}], add_generation_prompt=False)
+    np.testing.assert_array_equal(traj.tokens, whole)  # The test report is the (user) observation.
+    np.testing.assert_array_equal(traj.action_mask, mask)
+    self.assertEqual(traj.info['attempt'], 2)
 
 
 class CodeDataTest(absltest.TestCase):

@@ -1,6 +1,5 @@
 """math: math-verify equivalences and its timeout, benchmark layouts, file formats, malformed rows."""
 
-import functools
 import json
 import os
 import tempfile
@@ -70,7 +69,7 @@ class WorkerPoolTest(absltest.TestCase):
       pool.close()
 
   def test_errors_come_back(self):
-    pool = verifier.WorkerPool(functools.partial(int), num_workers=1, timeout_s=5)
+    pool = verifier.WorkerPool(int, num_workers=1, timeout_s=5)
     try:
       with self.assertRaisesRegex(verifier.WorkerError, 'ValueError'):
         pool.call('x')
