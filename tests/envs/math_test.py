@@ -68,6 +68,19 @@ class WorkerPoolTest(absltest.TestCase):
     finally:
       pool.close()
 
+  def test_a_dying_worker_is_replaced(self):
+    pool = verifier.WorkerPool(os._exit, num_workers=1, timeout_s=5)  # pylint: disable=protected-access
+    try:
+      for _ in range(2):  # The second call reaches a fresh worker (and kills it too).
+        with self.assertRaisesRegex(verifier.WorkerError, 'worker died'):
+          pool.call(3)
+    finally:
+      pool.close()
+
+  def test_module_level_functions_only(self):
+    with self.assertRaisesRegex(ValueError, 'module-level function'):
+      verifier.WorkerPool(lambda: 1, num_workers=1)
+
   def test_errors_come_back(self):
     pool = verifier.WorkerPool(int, num_workers=1, timeout_s=5)
     try:
