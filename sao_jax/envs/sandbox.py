@@ -219,7 +219,7 @@ class Sandbox:
     return [self.python, '-I', '-c', _REAPER, str(-1 if uid is None else uid), str(self.limits.timeout_s),
             self.python, '-I', '-']
 
-  def run(self, program: str, *, stdin_extra: str = '') -> SandboxResult:
+  def run(self, program: str) -> SandboxResult:
     """Runs `program` (Python source) and returns its exit status and capped output.
 
     Raises:
@@ -233,7 +233,7 @@ class Sandbox:
         if uid is not None:
           os.chown(workdir, uid, uid)
       try:
-        return self._run(program + stdin_extra, workdir, uid)
+        return self._run(program, workdir, uid)
       finally:
         if workdir is not None:
           shutil.rmtree(workdir, ignore_errors=True)
@@ -259,15 +259,18 @@ class Sandbox:
           buf += chunk[:cap - len(buf)]
       stream.close()
 
-    readers = [threading.Thread(target=drain, args=(proc.stdout, bufs['out']), daemon=True),
-               threading.Thread(target=drain, args=(proc.stderr, bufs['err']), daemon=True)]
-    for r in readers:
-      r.start()
-    try:
-      proc.stdin.write(program.encode())
-      proc.stdin.close()
-    except (BrokenPipeError, OSError):
-      pass  # The program exited (or was killed) before reading all of its source.
+    def feed(stream, data: bytes):  # In a thread: a child that never reads cannot block us.
+      try:
+        stream.write(data)
+        stream.close()
+      except OSError:
+        pass  # The program exited (or was killed) before reading all of its source.
+
+    threads = [threading.Thread(target=drain, args=(proc.stdout, bufs['out']), daemon=True),
+               threading.Thread(target=drain, args=(proc.stderr, bufs['err']), daemon=True),
+               threading.Thread(target=feed, args=(proc.stdin, program.encode()), daemon=True)]
+    for t in threads:
+      t.start()
     timed_out = False
     try:
       proc.wait(timeout=self.limits.timeout_s + (1.0 if self.isolation == 'rlimits' else 0.0))
@@ -277,8 +280,8 @@ class Sandbox:
       timed_out = True  # The reaper's own wall clock.
     self._kill_group(proc.pid)
     proc.wait()
-    for r in readers:
-      r.join(timeout=5)
+    for t in threads:
+      t.join(timeout=5)
     stderr = bufs['err'].decode('utf-8', 'replace')
     if self.isolation == 'bwrap' and proc.returncode == 1 and stderr.startswith('bwrap:'):
       raise SandboxError(f'bubblewrap failed: {stderr.strip()[:500]}')

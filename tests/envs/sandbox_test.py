@@ -45,6 +45,10 @@ class SandboxBwrapTest(absltest.TestCase):
     self.assertEqual(r.stdout.split(), ['45', '/tmp', '1', '/usr/bin/python3'])
     self.assertEqual(r.isolation, 'bwrap')
 
+  def test_program_larger_than_a_pipe_buffer(self):
+    r = self.sb.run('# ' + 'x' * 1_000_000 + '\nprint("big")')
+    self.assertEqual(r.stdout.strip(), 'big', r.stderr[-300:])
+
   def test_infinite_loop_is_killed(self):
     t0 = time.monotonic()
     r = self.sb.run('while True:\n  pass')
