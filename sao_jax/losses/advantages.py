@@ -24,7 +24,6 @@ O(log T) depth; `skip_observation_gae_scan` is the plain sequential reference.
 
 from __future__ import annotations
 
-import functools
 from typing import Literal
 
 import chex
@@ -112,46 +111,58 @@ def _linear_recurrence_associative(a: jax.Array, b: jax.Array, init: jax.Array) 
   return q + p * init[:, None]
 
 
-def _linear_recurrence_blocked(a: jax.Array, b: jax.Array, init: jax.Array, block: int) -> jax.Array:
-  """x_t = a_t x_{t+1} + b_t along axis 1 (reverse), x_T = init[B], in blocks of `block` time steps.
+def _blocked_recurrence(a: jax.Array, b: jax.Array, init: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x_t = a_t x_{t+1} + b_t on time-major blocks `[L, B, nb]` (time t = j L + l), x after the end = init[B].
 
-  Inside each block (all blocks of all rows at once), a sequential scan over the block's `block` positions
-  solves the block with a zero right boundary and also returns the product of its a's:
-  `x_t = xl_t + P_t x_{end}`. A short sequential scan over blocks then gives each block's right boundary
-  value, and one elementwise pass applies it.
+  Inside every block at once (a scan of only L steps over `[B, nb]` slabs) the chain is solved with a zero
+  right boundary, `x_t = xl_t + P_t x_right(j)` with `P_t` the product of the block's a's from t on; a scan
+  over the nb blocks gives each block's right boundary; one elementwise pass applies it.
+
+  Returns:
+    `(x [L, B, nb], x_right [B, nb])`, x_right(j) = x at the start of block j + 1 (init after the last).
   """
-  bsz, t = a.shape
-  nb = -(-t // block)
-  pad = nb * block - t
-  if pad:  # Padding at the end with a = 1, b = 0 passes `init` through unchanged.
-    a = jnp.pad(a, ((0, 0), (0, pad)), constant_values=1.0)
-    b = jnp.pad(b, ((0, 0), (0, pad)))
-  # [L, B * nb]: time inside a block leads, so each step of the scan reads one contiguous row.
-  a3 = a.reshape(bsz * nb, block).T
-  b3 = b.reshape(bsz * nb, block).T
-
   def inner(carry, ab):
     x, p = carry
     a_t, b_t = ab
-    x = a_t * x + b_t
-    p = a_t * p
+    x, p = a_t * x + b_t, a_t * p
     return (x, p), (x, p)
 
-  zeros = jnp.zeros((bsz * nb,), jnp.float32)
-  _, (xl, pl) = lax.scan(inner, (zeros, jnp.ones_like(zeros)), (a3, b3), reverse=True)
-  xl = xl.T.reshape(bsz, nb, block)
-  pl = pl.T.reshape(bsz, nb, block)
+  zeros = jnp.zeros(a.shape[1:], jnp.float32)
+  (x0, p0), (xl, pl) = lax.scan(inner, (zeros, jnp.ones_like(zeros)), (a, b), reverse=True)
 
-  def outer(x, ab):
-    p0, x0 = ab
-    x = p0 * x + x0
+  def across(x, xp):
+    x0_j, p0_j = xp
+    x = x0_j + p0_j * x
     return x, x
 
-  # Right boundary of block j is x at the start of block j + 1 (init for the last block).
-  _, starts = lax.scan(outer, init, (pl[:, :, 0].T, xl[:, :, 0].T), reverse=True)
-  right = jnp.concatenate([starts.T[:, 1:], init[:, None]], axis=1)
-  x = xl + pl * right[:, :, None]
-  return x.reshape(bsz, nb * block)[:, :t]
+  _, starts = lax.scan(across, init, (x0.T, p0.T), reverse=True)  # [nb, B]: x at each block's start.
+  right = jnp.concatenate([starts[1:], init[None]], axis=0).T  # [B, nb]
+  return xl + pl * right[None], right
+
+
+def _gae_blocked(r, v, m, gamma, lam, boot, block):
+  """Skip-observation GAE as the two chains of the module docstring, each by `_blocked_recurrence`.
+
+  The `[B, T]` inputs are put once in a time-major block layout `[L, B, nb]` (L = `block`), so each of the
+  two scans runs L iterations over wide slabs instead of T iterations over `[B]` vectors; the advantage is
+  put back to `[B, T]` at the end.
+  """
+  bsz, t = r.shape
+  nb = -(-t // block)
+  pad = nb * block - t
+  if pad:  # Padded tokens are observations: they pass the chains through unchanged.
+    r, v, m = (jnp.pad(x, ((0, 0), (0, pad))) for x in (r, v, m))
+
+  def time_major(x):  # [B, nb * L] -> [L, B, nb]
+    return jnp.transpose(x.reshape(bsz, nb, block), (2, 0, 1))
+
+  rt, vt, mt = time_major(r), time_major(v), time_major(m)
+  w, w_right = _blocked_recurrence(jnp.where(mt, 0.0, 1.0), jnp.where(mt, vt, 0.0), boot)
+  next_v = jnp.concatenate([w[1:], w_right[None]], axis=0)  # w_{t+1}: value at the next action token.
+  delta = rt + gamma * next_v - vt
+  gl = (gamma * lam)[:, None]
+  u, _ = _blocked_recurrence(jnp.where(mt, gl, 1.0), jnp.where(mt, delta, 0.0), jnp.zeros_like(boot))
+  return jnp.transpose(u, (1, 2, 0)).reshape(bsz, nb * block)[:, :t]
 
 
 def _gae_via_recurrences(r, v, m, gamma, lam, boot, recurrence):
@@ -209,11 +220,10 @@ def skip_observation_gae(rewards: jax.Array, values: jax.Array, action_mask: jax
   r, v, m, gamma, lam, boot = _prepare(rewards, values, action_mask, gamma, lam, bootstrap)
   if impl == 'associative':
     rec = _linear_recurrence_associative
-  else:
-    if not isinstance(block, int) or block < 1:
-      raise ValueError(f'block must be a positive int, got {block!r}')
-    rec = functools.partial(_linear_recurrence_blocked, block=block)
-  return _gae_via_recurrences(r, v, m, gamma, lam, boot, rec)
+    return _gae_via_recurrences(r, v, m, gamma, lam, boot, rec)
+  if not isinstance(block, int) or block < 1:
+    raise ValueError(f'block must be a positive int, got {block!r}')
+  return _finish(_gae_blocked(r, v, m, gamma, lam, boot, block), v, m)
 
 
 def adaptive_lambda(action_mask: jax.Array, alpha: float | jax.Array = 1.5) -> jax.Array:

@@ -1,0 +1,1 @@
+"""Tests of sao_jax.losses."""
