@@ -105,7 +105,7 @@ class Learner:
       self.critic_spec, critic_state, critic_sh = state_lib.create_train_state(
           critic, optim_lib.make_optimizer(o, o.critic_lr), self.mesh, rules,
           trainable=critic_trainable(bool(o.freeze_critic_attention)))
-    step0 = jax.device_put(jnp.zeros((), jnp.int32), rep)
+    step0 = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=rep)()
     self.state = steps_lib.LearnerState(policy=policy_state, critic=critic_state, step=step0)
     self.state_shardings = steps_lib.LearnerState(policy=policy_sh, critic=critic_sh, step=rep)
 

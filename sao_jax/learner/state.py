@@ -59,7 +59,7 @@ def place(tree: Any, shardings: Any) -> Any:
   """Puts a host/device tree onto `shardings`; works across processes (every process holds the same tree)."""
   def one(x, s):
     if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
-      return jax.device_put(x, s)
+      return jax.device_put(x, s, may_alias=False)  # A copy: the learner donates its buffers.
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
   return jax.tree.map(one, tree, shardings)

@@ -105,7 +105,7 @@ def guarded_apply(spec: state_lib.ModelSpec, ts: state_lib.TrainState, grads: An
   Skipped updates leave `params` and `opt_state` bit-identical (selected with `jnp.where`), count in
   `skipped` and extend `consecutive_skips`; an applied update resets the latter.
   """
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, new_opt = spec.tx.update(grads, ts.opt_state, ts.params)
   new_params = optax.apply_updates(ts.params, updates)

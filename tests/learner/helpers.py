@@ -13,6 +13,8 @@ VOCAB = 64
 MODEL = get_model_config('tiny', vocab_size=VOCAB, embed_dim=32, mlp_dim=64, num_heads=4, num_kv_heads=2,
                          head_dim=8, num_layers=2)
 B, T = 8, 16
+# The SAO scenario: 2 minibatches of 4 rows (so K=2 critic epochs = 4 critic updates per step).
+SAO_OVERRIDES = {'trainer.minibatch_size': 4, 'optim.max_consecutive_skips': 5}
 
 
 def policy_fn(seed: int = 0):
@@ -45,8 +47,9 @@ def mesh(fsdp: int, tensor: int, devices=None):
   return parallel.make_mesh(dict(data=1, fsdp=fsdp, tensor=tensor), devices=devices)
 
 
-def batch(seed: int = 0, rows: int = B, length: int = T) -> Batch:
-  """Prompt (4 tokens), action (5), observation (2), action (3), then padding; one truncated row, one padding row.
+def batch(seed: int = 0, rows: int = B, length: int = T, pad_rows: int = 1) -> Batch:
+  """Prompt (4 tokens), action (5), observation (2), action (3), then padding; row 1 truncated, the last
+  `pad_rows` rows padding; rows (2i, 2i+1) form group i.
 
   Rewards 0/1 on the last action token; behaviour log-probs near the tiny model's (about -log V).
   """
@@ -62,7 +65,7 @@ def batch(seed: int = 0, rows: int = B, length: int = T) -> Batch:
   truncated = np.zeros(rows, bool)
   truncated[1] = True
   row_mask = np.ones(rows, np.float32)
-  row_mask[-1] = 0
+  row_mask[rows - pad_rows:] = 0
   return Batch(tokens=tokens, action_mask=am, behavior_logprobs=blp, rewards=rewards, truncated=truncated,
                group_ids=(np.arange(rows) // 2).astype(np.int32), row_mask=row_mask,
                policy_version=np.zeros(rows, np.int32))

@@ -1,0 +1,278 @@
+"""Learner tests: sharded == single device (SAO, GRPO), frozen critic attention, critic warmup and K critic
+updates, NaN guard, overfitting sanity, and a 2-process `jax.distributed` run.
+
+Compiling an update step dominates the runtime, so each learner is built once per module (`_runs`) and
+several tests read the same run.
+"""
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from flax import nnx
+
+from sao_jax import parallel
+from sao_jax.config_lib import ConfigError
+from sao_jax.learner import Learner, NonFiniteUpdateError, StepConfig
+from sao_jax.learner import optim as optim_lib
+from sao_jax.learner import state as state_lib
+from sao_jax.models import logprobs as logprobs_lib
+from sao_jax.models import value as value_lib
+from tests.learner import helpers as H
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SAO_OVERRIDES = H.SAO_OVERRIDES
+GRPO_OVERRIDES = {}
+
+
+@functools.cache
+def _policy():
+  """One eagerly built policy module shared by every learner (the learners copy it)."""
+  return H.policy_fn()()
+
+
+def _snapshot(learner):
+  out = {'policy': H.leaves_with_paths(learner.state.policy.params), 'step': learner.step,
+         'policy_step': int(H.host(learner.state.policy.step))}
+  if learner.state.critic is not None:
+    out['critic'] = H.leaves_with_paths(learner.state.critic.params)
+    out['critic_rest'] = H.leaves_with_paths(learner.state.critic.rest)
+    out['critic_step'] = int(H.host(learner.state.critic.step))
+  return out
+
+
+@functools.cache
+def _runs(algo: str, mesh_shape: tuple[int, int]):
+  """Builds a learner on a (fsdp, tensor) mesh and runs two steps on batches 0 and 1; returns snapshots."""
+  overrides = SAO_OVERRIDES if algo == 'sao' else GRPO_OVERRIDES
+  learner = Learner(H.config(algo, **overrides), policy=_policy(), mesh=H.mesh(*mesh_shape),
+                    model_config=H.MODEL)
+  snaps = [_snapshot(learner)]
+  metrics = []
+  for i in range(2):
+    metrics.append(learner.update(H.batch(i, pad_rows=1 if algo == 'sao' else 2)))
+    snaps.append(_snapshot(learner))
+  return learner, snaps, metrics
+
+
+def _assert_trees_close(test, a, b, atol, rtol=1e-4):
+  test.assertEqual(sorted(a), sorted(b))
+  for k in a:
+    np.testing.assert_allclose(a[k], b[k], atol=atol, rtol=rtol, err_msg=k)
+
+
+def _comparable_metrics(m):
+  return {k: v for k, v in m.items() if not k.startswith('perf/')}
+
+
+class ShardedMatchesSingleDeviceTest(parameterized.TestCase):
+
+  @parameterized.parameters('sao', 'grpo')
+  def test_fsdp_x_tensor_equals_one_device(self, algo):
+    _, one, m_one = _runs(algo, (1, 1))
+    learner8, eight, m_eight = _runs(algo, (4, 2))
+    # The 8-device run really is sharded: an MLP kernel is split over fsdp x tensor.
+    kernel = learner8.state.policy.params['layers']['mlp']['up_proj'].get_value()
+    self.assertEqual(kernel.sharding.spec, jax.sharding.PartitionSpec(None, 'fsdp', 'tensor'))
+    self.assertLess(kernel.addressable_shards[0].data.size, kernel.size)
+    for name in ('policy', 'critic') if algo == 'sao' else ('policy',):
+      _assert_trees_close(self, one[-1][name], eight[-1][name], atol=2e-6)
+      moved = max(np.abs(one[-1][name][k] - one[0][name][k]).max() for k in one[0][name])
+      self.assertGreater(moved, 1e-4, f'{name} did not move: the comparison would be vacuous')
+    for a, b in zip(m_one, m_eight):
+      a, b = _comparable_metrics(a), _comparable_metrics(b)
+      self.assertEqual(sorted(a), sorted(b))
+      for k in a:
+        np.testing.assert_allclose(a[k], b[k], atol=1e-5, rtol=1e-4, err_msg=k)
+
+  def test_metrics_present(self):
+    _, _, metrics = _runs('sao', (1, 1))
+    for key in ('critic/loss', 'critic/grad_norm', 'critic/value_mean', 'critic/explained_variance_before',
+                'policy/loss', 'policy/grad_norm', 'policy/clip_frac_low', 'policy/clip_frac_high',
+                'policy/ratio_mean', 'policy/approx_kl', 'policy/entropy', 'adv/mean', 'adv/std',
+                'perf/tokens_per_s', 'batch/action_tokens'):
+      self.assertIn(key, metrics[1])
+      self.assertTrue(np.isfinite(metrics[1][key]), key)
+    # Row 7 is padding and row 1 is truncated: 7 rows x 8 action tokens count.
+    self.assertEqual(metrics[1]['batch/action_tokens'], 56.0)
+    self.assertGreater(metrics[1]['policy/grad_norm'], 0.0)
+
+
+class SaoStructureTest(absltest.TestCase):
+
+  def test_critic_warmup_and_k_critic_updates(self):
+    _, snaps, metrics = _runs('sao', (4, 2))
+    per_step = 2 * 2  # critic_epochs K=2 passes x 2 minibatches of 4 rows.
+    # Step 0 is critic-only: the policy is bit-identical, the critic moved K x minibatches times.
+    self.assertEqual(metrics[0]['policy/active'], 0.0)
+    for k, v in snaps[0]['policy'].items():
+      np.testing.assert_array_equal(v, snaps[1]['policy'][k], err_msg=k)
+    self.assertEqual(snaps[1]['policy_step'], 0)
+    self.assertEqual(snaps[1]['critic_step'], per_step)
+    self.assertEqual(snaps[1]['step'], 1)  # The learner step still advances during warmup.
+    # Step 1: the policy takes its (2 minibatch) updates.
+    self.assertEqual(metrics[1]['policy/active'], 1.0)
+    self.assertEqual(snaps[2]['policy_step'], 2)
+    self.assertEqual(snaps[2]['critic_step'], 2 * per_step)
+    self.assertTrue(any(np.any(snaps[1]['policy'][k] != snaps[2]['policy'][k]) for k in snaps[1]['policy']))
+
+  def test_frozen_attention(self):
+    learner, snaps, _ = _runs('sao', (4, 2))
+    # Frozen attention weights live in `rest`, unchanged bit for bit; the trainable part has none.
+    attn = {k: v for k, v in snaps[0]['critic_rest'].items() if "['attn']" in k}
+    self.assertLen(attn, 4)  # q, k, v, o projections.
+    for k, v in attn.items():
+      np.testing.assert_array_equal(v, snaps[-1]['critic_rest'][k], err_msg=k)
+    self.assertFalse([k for k in snaps[0]['critic'] if "['attn']" in k])
+    for k in snaps[0]['critic']:
+      if k.startswith("['head']") or 'mlp' in k or 'embed' in k:
+        self.assertTrue(np.any(snaps[0]['critic'][k] != snaps[-1]['critic'][k]), f'{k} did not move')
+    # The critic's attention equals the policy's initial attention (ValueModel.from_policy copies it).
+    policy0 = snaps[0]['policy']
+    for k, v in attn.items():
+      np.testing.assert_array_equal(v, policy0[k.replace("['backbone']", '')])
+    # No optimizer state for frozen leaves: every param-shaped optax leaf is a trainable leaf.
+    opt_paths = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_leaves_with_path(learner.state.critic.opt_state)]
+    self.assertTrue(opt_paths)
+    self.assertFalse([p for p in opt_paths if "['attn']" in p])
+    mu = learner.state.critic.opt_state[1][0].mu
+    self.assertEqual(state_lib.num_elements(mu), state_lib.num_elements(learner.state.critic.params))
+
+  def test_unfrozen_critic_trains_attention(self):
+    config = H.config('sao')
+    config.optim.freeze_critic_attention = False
+    critic = value_lib.ValueModel.from_policy(_policy())
+    mesh = H.mesh(1, 1)
+    tx = optim_lib.make_optimizer(config.optim, 1e-3)
+    from sao_jax.learner.learner import critic_trainable  # pylint: disable=g-import-not-at-top
+    spec, state, _ = state_lib.create_train_state(critic, tx, mesh, config.mesh.rules,
+                                                  trainable=critic_trainable(False))
+    self.assertIn('attn', state.params['backbone']['layers'])
+    self.assertFalse([p for p, _ in jax.tree_util.tree_leaves_with_path(state.rest)
+                      if "['attn']" in jax.tree_util.keystr(p)])
+    mu = state.opt_state[1][0].mu
+    self.assertIn('attn', mu['backbone']['layers'])
+    del spec
+
+  def test_nan_batch_is_skipped_then_stops_the_run(self):
+    learner, _, _ = _runs('sao', (4, 2))
+    before = _snapshot(learner)
+    bad = H.batch(2)
+    bad = bad.replace(rewards=np.where(bad.action_mask > 0, np.nan, 0.0).astype(np.float32))
+    metrics = learner.update(bad)
+    after = _snapshot(learner)
+    for name in ('policy', 'critic'):
+      for k, v in before[name].items():
+        np.testing.assert_array_equal(v, after[name][k], err_msg=k)
+    self.assertEqual(metrics['critic/skipped'], 4.0)
+    self.assertEqual(metrics['policy/skipped'], 2.0)
+    self.assertEqual(after['critic_step'], before['critic_step'])
+    self.assertEqual(int(H.host(learner.state.critic.consecutive_skips)), 4)
+    self.assertEqual(int(H.host(learner.state.critic.skipped)), 4)
+    # A good batch resets the consecutive counters.
+    learner.update(H.batch(3))
+    self.assertEqual(int(H.host(learner.state.critic.consecutive_skips)), 0)
+    self.assertEqual(int(H.host(learner.state.policy.skipped)), 2)
+    # config.optim.max_consecutive_skips=5: two bad batches in a row (8 critic skips) stop the run.
+    learner.update(bad)
+    with self.assertRaisesRegex(NonFiniteUpdateError, 'max_consecutive_skips=5'):
+      learner.update(bad)
+
+
+class OverfitTest(absltest.TestCase):
+
+  def test_good_action_probability_rises(self):
+    learner, _, _ = _runs('sao', (1, 1))  # Past its critic warmup.
+    rows, length, good, bad = H.B, H.T, 5, 7
+    tokens = np.zeros((rows, length), np.int32)
+    tokens[:, :8] = np.arange(10, 18)
+    tokens[:, 8] = np.where(np.arange(rows) % 2 == 0, good, bad)
+    action = np.zeros((rows, length), np.float32)
+    action[:, 8] = 1
+    rewards = np.where(tokens == good, 1.0, 0.0).astype(np.float32) * action
+    graphdef = learner.policy_spec.graphdef
+
+    @jax.jit
+    def logp(params, rest, toks):
+      return logprobs_lib.token_logprobs(nnx.merge(graphdef, params, rest), toks)
+
+    def current():
+      return np.asarray(logp(learner.state.policy.params, learner.state.policy.rest, tokens))
+
+    p0 = np.exp(current()[0, 8])
+    for _ in range(12):
+      blp = current() * action  # On-policy behaviour log-probs, the same fixed batch every step.
+      batch = H.batch(0).replace(tokens=tokens, action_mask=action, behavior_logprobs=blp, rewards=rewards,
+                                 truncated=np.zeros(rows, bool), row_mask=np.ones(rows, np.float32))
+      learner.update(batch)
+    p1 = np.exp(current()[0, 8])
+    self.assertGreater(p1, 3 * p0, f'pi(good) went {p0:.4f} -> {p1:.4f}')
+
+
+class GroupLayoutTest(absltest.TestCase):
+
+  def test_groups_must_be_contiguous(self):
+    learner, _, _ = _runs('grpo', (1, 1))
+    b = H.batch(0)
+    b = b.replace(group_ids=np.array([0, 1, 0, 1, 2, 2, 3, 3], np.int32))
+    with self.assertRaisesRegex(ValueError, 'not one whole group'):
+      learner.put_batch(b)
+
+  def test_algorithm_names_need_their_settings(self):
+    c = H.config('gspo')
+    with self.assertRaisesRegex(ConfigError, "config.algo.clip_mode='gspo'"):
+      StepConfig.from_config(c)
+    c.algo.clip_mode = 'gspo'
+    self.assertFalse(StepConfig.from_config(c).uses_critic)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+class MultiProcessTest(absltest.TestCase):
+
+  def test_two_processes_match_single_process(self):
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as out:
+      env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2', JAX_PLATFORMS='cpu',
+                 PYTHONPATH=REPO)
+      procs = [subprocess.Popen([sys.executable, '-m', 'tests.learner.mp_worker', str(port), str(i), out],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+               for i in range(2)]
+      logs = []
+      try:
+        for p in procs:
+          logs.append(p.communicate(timeout=420)[0].decode()[-3000:])
+      except subprocess.TimeoutExpired:
+        for p in procs:
+          p.kill()
+        self.fail('2-process run timed out (hang in jax.distributed?)')
+      for p, log in zip(procs, logs):
+        self.assertEqual(p.returncode, 0, log)
+      result = dict(np.load(os.path.join(out, 'params.npz')))
+      with open(os.path.join(out, 'metrics.json')) as f:
+        metrics = json.load(f)
+    self.assertEqual(metrics['devices'], 4)
+    self.assertEqual(metrics['processes'], 2)
+    _, one, m_one = _runs('sao', (1, 1))
+    for name in ('policy', 'critic'):
+      got = {k[len(name) + 1:]: v for k, v in result.items() if k.startswith(name + ':')}
+      _assert_trees_close(self, one[2][name], got, atol=2e-6)
+    for k, v in _comparable_metrics(m_one[1]).items():
+      np.testing.assert_allclose(metrics['step1'][k], v, atol=1e-5, rtol=1e-4, err_msg=k)
+
+
+if __name__ == '__main__':
+  absltest.main()
