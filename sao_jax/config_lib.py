@@ -93,4 +93,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          tr.minibatch_size, f'must divide trainer.batch_size={tr.batch_size} (or be 0).')
   _check(tr.max_staleness >= 0, 'trainer.max_staleness', tr.max_staleness, 'must be >= 0.')
   del m
+
+  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top  (envs imports this module)
+  registry.validate_task_config(config)  # Task name, limits, kwargs, data files (loads no data).
   return config
