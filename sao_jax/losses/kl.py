@@ -46,11 +46,15 @@ def masked_kl(logprobs: jax.Array, ref_logprobs: jax.Array, mask: jax.Array, est
 def entropy_from_logits(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
   """Per-token entropy `H = logsumexp(z) - sum_v softmax(z)_v z_v` of `logits [..., V]`, float32 `[...]`.
 
+  Computed on `z - max(z)` (H is shift invariant) so large logits do not cancel.
+
   Written as two reductions over a float32 view of the logits so XLA fuses the upcast, exp and products
   into them (no float32 `[..., V]` probability tensor beside the upcast; bf16 logits stay bf16 in memory).
   Tokens outside `mask` (same shape as the leading dims) are 0; average them with `common.masked_mean`.
   """
   z = logits.astype(jnp.float32)
+  # Shift by the max first: with z ~ 1e4, logsumexp(z) - E[z] would cancel away float32's digits.
+  z = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
   lse = jax.nn.logsumexp(z, axis=-1)
   ent = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
   if mask is not None:

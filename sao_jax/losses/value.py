@@ -31,7 +31,7 @@ def value_loss(values: jax.Array, returns: jax.Array, mask: jax.Array, *, old_va
   Returns:
     `(loss, metrics)` with float32 scalars: `explained_variance` = `1 - Var_m(R - V) / Var_m(R)` (0 when
     Var_m(R) = 0), `value_mean`, `return_mean`, `value_error` (mean squared error), `value_clip_frac`
-    (clipped variant: fraction of tokens where the clipped term is the larger one).
+    (clipped variant: fraction of tokens where the clip is active and its term the larger, i.e. no gradient).
   """
   chex.assert_rank(values, 2)
   chex.assert_equal_shape([values, returns, mask])
@@ -46,7 +46,9 @@ def value_loss(values: jax.Array, returns: jax.Array, mask: jax.Array, *, old_va
     eps = jnp.asarray(clip_eps, jnp.float32)
     v_clipped = old + jnp.clip(v - old, -eps, eps)
     err_clipped = jnp.square(v_clipped - ret)
-    metrics['value_clip_frac'] = common.masked_mean((err_clipped > err).astype(jnp.float32), m)
+    # Clip active (|V - V_old| > eps) and the clipped term the larger: these tokens get no gradient.
+    clipped = (jnp.abs(v - old) > eps) & (err_clipped > err)
+    metrics['value_clip_frac'] = common.masked_mean(clipped.astype(jnp.float32), m)
     per_token = 0.5 * jnp.maximum(err, err_clipped)
   elif (old_values is None) != (clip_eps is None):
     raise ValueError('value clipping needs both old_values and clip_eps (got only one of them)')
