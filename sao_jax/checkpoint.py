@@ -1,0 +1,339 @@
+"""Checkpoints: a thin wrapper over orbax's `CheckpointManager` (save, resume, keep-N, async).
+
+One checkpoint (directory `<dir>/<step>/`) holds these orbax items:
+
+  policy     pytree of arrays  the policy model's state (`nnx.State`; what `load_policy` rebuilds a Decoder from)
+  critic     pytree of arrays  the value model's state (optional)
+  optimizer  pytree of arrays  optimizer states and learner counters, any structure (e.g. optax states)
+  data       JSON              the training data iterator's `state()` (optional)
+  metadata   JSON              the policy's `ModelConfig` (key `model_config`) plus anything the caller adds
+
+Arrays are written by every process for its own shards (orbax/tensorstore); the JSON items are written by
+process 0 only (orbax's `primary_host`). Restoring into an *abstract target* whose leaves are
+`jax.ShapeDtypeStruct`s carrying shardings places every array directly onto those shardings, so a sharded
+run restores sharded without gathering on one host (`abstract_target`).
+
+Saving is asynchronous by default: `save` returns once the arrays have been copied off the devices (the
+caller may then donate or overwrite them) and the files are written in the background; `wait()` blocks until
+the write is committed and `close()` (or leaving a `with` block) waits then releases the manager. A
+checkpoint directory appears atomically (orbax writes a temporary directory and renames it on commit), so an
+interrupted save never shadows the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from absl import logging
+import jax
+from flax import nnx
+import orbax.checkpoint as ocp
+
+from sao_jax.models.config import ModelConfig
+
+ARRAY_ITEMS = ('policy', 'critic', 'optimizer')
+JSON_ITEMS = ('data', 'metadata')
+
+
+@dataclasses.dataclass
+class CheckpointState:
+  """What one checkpoint holds (see the module docstring).
+
+  Attributes:
+    step: the checkpoint's step (the learner step it was taken at).
+    policy: pytree of arrays of the policy (normally `nnx.state(policy_model)`).
+    critic: pytree of arrays of the critic, or None.
+    optimizer: pytree of arrays: optimizer states and counters (any structure), or None.
+    data: JSON-serialisable dict: the data iterator's state, or None.
+    metadata: JSON-serialisable dict; `model_config` holds the policy's `ModelConfig` as a dict.
+  """
+  step: int
+  policy: Any
+  critic: Any = None
+  optimizer: Any = None
+  data: dict[str, Any] | None = None
+  metadata: dict[str, Any] | None = None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ModelConfig <-> JSON.
+
+
+def model_config_to_json(cfg: ModelConfig) -> dict[str, Any]:
+  """A JSON-serialisable dict of every `ModelConfig` field (tuples become lists)."""
+  d = dataclasses.asdict(cfg)
+  d['eos_ids'] = list(cfg.eos_ids)
+  d['rope_scaling'] = None if cfg.rope_scaling is None else dict(cfg.rope_scaling)
+  return d
+
+
+def model_config_from_json(d: Mapping[str, Any]) -> ModelConfig:
+  """Inverse of `model_config_to_json`; unknown keys are an error naming them (a newer checkpoint format)."""
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(d) - fields)
+  if unknown:
+    raise ValueError(f'Checkpoint model config has fields {unknown} that this ModelConfig does not know.')
+  kwargs = dict(d)
+  if kwargs.get('eos_ids') is not None:
+    kwargs['eos_ids'] = tuple(kwargs['eos_ids'])
+  return ModelConfig(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Abstract targets.
+
+
+def abstract_target(tree: Any, shardings: Any = None) -> Any:
+  """`tree` (arrays, or already abstract) as `jax.ShapeDtypeStruct` leaves, each with its sharding.
+
+  Args:
+    tree: pytree of arrays or `ShapeDtypeStruct`s (e.g. `nnx.eval_shape(...)` state, `jax.eval_shape` output).
+    shardings: None (keep each leaf's own sharding, if any) or a pytree of `jax.sharding.Sharding` with the
+      structure of `tree` (e.g. `sao_jax.parallel.tree_shardings(tree, mesh, rules)`).
+
+  Returns:
+    The abstract target to pass to `Checkpointer.restore`.
+  """
+  def one(x, s=None):
+    sharding = s if s is not None else getattr(x, 'sharding', None)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+  if shardings is None:
+    return jax.tree.map(one, tree)
+  return jax.tree.map(one, tree, shardings)
+
+
+def _single_device_target(tree: Any) -> Any:
+  """Abstract target on the first local device for leaves without a sharding (plain restores)."""
+  dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+  def one(x):
+    sharding = getattr(x, 'sharding', None)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if sharding is not None else dev)
+  return jax.tree.map(one, tree)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The manager.
+
+
+class Checkpointer:
+  """Saves and restores `CheckpointState`s under one directory, keeping the newest `keep` of them.
+
+  Args:
+    directory: where step directories go (created if missing; must be shared by all processes).
+    keep: number of checkpoints kept (older ones are deleted after a newer one is committed); None = all.
+    async_save: write in a background thread (`save` returns after the device-to-host copy).
+    save_interval_steps: `save` ignores steps that are not multiples of this (unless `force=True`).
+
+  Use as a context manager, or call `close()` at the end (it waits for a pending async save).
+  """
+
+  def __init__(self, directory: str, *, keep: int | None = 3, async_save: bool = True,
+               save_interval_steps: int = 1):
+    if keep is not None and keep < 1:
+      raise ValueError(f'Checkpointer keep={keep}: must be >= 1 (or None to keep every checkpoint).')
+    self.directory = os.path.abspath(os.fspath(directory))
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, save_interval_steps=save_interval_steps, create=True,
+        enable_async_checkpointing=async_save,
+        multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=0))
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._closed = False
+
+  @classmethod
+  def from_config(cls, config: Any, directory: str | None = None, **kwargs) -> Checkpointer:
+    """A checkpointer in `directory` (default `<config.workdir>/checkpoints`) keeping
+    `config.trainer.keep_checkpoints` checkpoints."""
+    from sao_jax import config_lib  # pylint: disable=g-import-not-at-top
+    keep = int(config.trainer.keep_checkpoints)
+    if keep < 1:
+      raise config_lib.ConfigError(f'config.trainer.keep_checkpoints={keep}: must be >= 1.')
+    if directory is None:
+      if not config.workdir:
+        raise config_lib.ConfigError("config.workdir='' : checkpoints need a work directory (--workdir).")
+      directory = os.path.join(config.workdir, 'checkpoints')
+    return cls(directory, keep=keep, **kwargs)
+
+  # ---- Queries.
+
+  def all_steps(self) -> list[int]:
+    """Committed checkpoint steps, ascending."""
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    """The newest committed step, or None when there is no checkpoint."""
+    return self._manager.latest_step()
+
+  # ---- Save / restore.
+
+  def save(self, state: CheckpointState, *, force: bool = False) -> bool:
+    """Saves `state` at `state.step`; returns False if skipped (by `save_interval_steps`).
+
+    Raises:
+      ValueError: `state.policy` is None, a JSON item is not serialisable, or the step already exists.
+    """
+    self._check_open()
+    if state.policy is None:
+      raise ValueError('CheckpointState.policy is required.')
+    step = int(state.step)
+    if step in self._manager.all_steps():
+      raise ValueError(f'A checkpoint for step {step} already exists in {self.directory}.')
+    items = {}
+    for name in ARRAY_ITEMS:
+      value = getattr(state, name)
+      if value is not None:
+        items[name] = ocp.args.StandardSave(value)
+    for name in JSON_ITEMS:
+      value = getattr(state, name)
+      if value is not None:
+        try:
+          json.dumps(value)
+        except TypeError as e:
+          raise ValueError(f'CheckpointState.{name} must be JSON-serialisable: {e}') from e
+        items[name] = ocp.args.JsonSave(value)
+    saved = self._manager.save(step, args=ocp.args.Composite(**items), force=force)
+    if saved:
+      logging.info('Checkpoint step %d -> %s (%s).', step, self.directory, ', '.join(items))
+    return bool(saved)
+
+  def items_at(self, step: int) -> set[str]:
+    """Names of the items stored at `step`."""
+    path = os.path.join(self.directory, str(step))
+    return {name for name in ARRAY_ITEMS + JSON_ITEMS if os.path.isdir(os.path.join(path, name))}
+
+  def resolve_step(self, step: int | None) -> int:
+    """`step`, or the latest one; a clear error when the checkpoint is missing."""
+    steps = self.all_steps()
+    if not steps:
+      raise FileNotFoundError(f'No checkpoint in {self.directory}.')
+    if step is None:
+      return steps[-1]
+    if int(step) not in steps:
+      raise FileNotFoundError(f'No checkpoint for step {step} in {self.directory}; available: {steps}.')
+    return int(step)
+
+  def restore(self, step: int | None = None, *, target: CheckpointState | None = None,
+              items: tuple[str, ...] | None = None) -> CheckpointState:
+    """Restores the checkpoint at `step` (default: the latest).
+
+    Args:
+      step: the step to restore; None = latest.
+      target: abstract (or concrete) trees for the array items, with shardings
+        (`abstract_target(tree, shardings)`): restored arrays take the target's structure, dtypes and
+        shardings. An array item whose target is None is restored with its saved structure onto the first
+        local device (plain dicts/lists; an nnx.State or optax state needs a target to come back typed).
+      items: names of the items to restore (default: every stored item). The others come back as None.
+
+    Returns:
+      The `CheckpointState` (`step` = the restored step).
+    """
+    self._check_open()
+    step = self.resolve_step(step)
+    stored = self.items_at(step)
+    wanted = stored if items is None else set(items)
+    unknown = wanted - set(ARRAY_ITEMS + JSON_ITEMS)
+    if unknown:
+      raise ValueError(f'Unknown checkpoint items {sorted(unknown)}; known: {ARRAY_ITEMS + JSON_ITEMS}.')
+    missing = wanted - stored
+    if missing:
+      raise FileNotFoundError(f'Checkpoint step {step} in {self.directory} has no item(s) {sorted(missing)} '
+                              f'(it has {sorted(stored)}).')
+    args = {}
+    for name in ARRAY_ITEMS:
+      if name not in wanted:
+        continue
+      tree = None if target is None else getattr(target, name)
+      if tree is None:
+        meta = self._manager.item_metadata(step)[name]
+        tree = _single_device_target(_metadata_tree(meta))
+      args[name] = ocp.args.StandardRestore(tree)
+    for name in JSON_ITEMS:
+      if name in wanted:
+        args[name] = ocp.args.JsonRestore()
+    restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+    out = CheckpointState(step=step, policy=None)
+    for name in wanted:
+      setattr(out, name, restored[name])
+    return out
+
+  # ---- Lifetime.
+
+  def wait(self) -> None:
+    """Blocks until a pending async save is committed."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for a pending save and releases the manager (idempotent)."""
+    if not self._closed:
+      self._manager.wait_until_finished()
+      self._manager.close()
+      self._closed = True
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise RuntimeError(f'Checkpointer({self.directory}) is closed.')
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def _metadata_tree(meta: Any) -> Any:
+  """The tree of `ArrayMetadata` of a stored item, as a pytree of objects with shape and dtype."""
+  tree = getattr(meta, 'tree', meta)
+  return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree,
+                      is_leaf=lambda m: hasattr(m, 'shape') and hasattr(m, 'dtype'))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Policy loading (eval, export).
+
+
+def policy_metadata(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
+  """The `metadata` item for a policy built from `cfg` (`load_policy` reads `model_config`)."""
+  return {'model_config': model_config_to_json(cfg), **extra}
+
+
+def load_policy(checkpoint_dir: str, step: int | None = None, *, shardings_fn=None,
+                **config_overrides: Any) -> tuple[nnx.Module, ModelConfig]:
+  """Builds the policy `Decoder` of a checkpoint from its saved model config and restores its weights.
+
+  Args:
+    checkpoint_dir: the checkpointer's directory (the one holding `<step>/` directories).
+    step: the step to load; None = latest.
+    shardings_fn: optional `abstract_state -> shardings` (e.g. `lambda s: parallel.tree_shardings(s, mesh,
+      rules)`) to restore the weights sharded; default: the first local device.
+    **config_overrides: `ModelConfig` fields to change (e.g. dtype='bfloat16'); shapes must not change.
+
+  Returns:
+    (model, model_config).
+  """
+  from sao_jax.models.llama import Decoder  # pylint: disable=g-import-not-at-top
+  if not os.path.isdir(checkpoint_dir):
+    raise FileNotFoundError(f'Checkpoint directory {checkpoint_dir!r} does not exist.')
+  with Checkpointer(checkpoint_dir, keep=None, async_save=False) as ckpt:
+    step = ckpt.resolve_step(step)
+    meta = ckpt.restore(step, items=('metadata',)).metadata or {}
+    if 'model_config' not in meta:
+      raise ValueError(f'Checkpoint step {step} in {checkpoint_dir} has no metadata.model_config (save it with '
+                       '`metadata=policy_metadata(cfg)`).')
+    cfg = model_config_from_json(meta['model_config'])
+    if config_overrides:
+      cfg = cfg.replace(**config_overrides)
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    graphdef, abs_state = nnx.split(abstract)
+    target = (_single_device_target(abs_state) if shardings_fn is None
+              else abstract_target(abs_state, shardings_fn(abs_state)))
+    try:
+      restored = ckpt.restore(step, target=CheckpointState(step=step, policy=target), items=('policy',))
+    except (ValueError, KeyError) as e:
+      raise ValueError(f'Checkpoint step {step} in {checkpoint_dir}: the policy item does not fit a Decoder '
+                       f'of its saved model config: {e}') from e
+  logging.info('Loaded policy %s (step %d) from %s.', cfg.name or '(unnamed)', step, checkpoint_dir)
+  return nnx.merge(graphdef, restored.policy), cfg

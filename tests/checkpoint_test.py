@@ -1,0 +1,168 @@
+"""Tests of sao_jax.checkpoint: bit-exact round trips, keep-N, step selection, sharded restore, load_policy."""
+
+import os
+import tempfile
+
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from configs import base
+from sao_jax import checkpoint
+from sao_jax import config_lib
+from sao_jax import parallel
+from sao_jax.models.config import get_model_config
+from sao_jax.models.llama import Decoder
+
+_CFG = get_model_config('tiny', num_layers=1, embed_dim=32, mlp_dim=64, vocab_size=128, head_dim=8)
+
+
+def _model(seed: int = 0) -> Decoder:
+  return Decoder(_CFG, rngs=nnx.Rngs(seed))
+
+
+def _leaves_equal(a, b) -> bool:
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(la) == len(lb) and all(
+      np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(np.asarray(x), np.asarray(y))
+      for x, y in zip(la, lb))
+
+
+def _state(step: int, seed: int = 0):
+  """A checkpoint state with an optax AdamW state after one update, an iterator state, a model config."""
+  model = _model(seed)
+  params = nnx.state(model, nnx.Param)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  opt = tx.init(params)
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.25), params)
+  _, opt = tx.update(grads, opt, params)
+  counters = {'step': jnp.asarray(step, jnp.int32), 'skipped': jnp.asarray(1, jnp.int32)}
+  return checkpoint.CheckpointState(
+      step=step, policy=nnx.state(model), optimizer={'policy': opt, 'counters': counters},
+      data={'kind': 'generated', 'seed': 3, 'index': 17 + step},
+      metadata=checkpoint.policy_metadata(_CFG, note='test'))
+
+
+class CheckpointTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.dir = tempfile.mkdtemp(prefix='ckpt_test_')
+
+  def test_round_trip_bit_exact_typed(self):
+    state = _state(5)
+    with checkpoint.Checkpointer(self.dir, keep=2) as ckpt:
+      self.assertTrue(ckpt.save(state))
+      ckpt.wait()
+      target = checkpoint.CheckpointState(
+          step=0, policy=checkpoint.abstract_target(jax.eval_shape(lambda: state.policy)),
+          optimizer=checkpoint.abstract_target(jax.eval_shape(lambda: state.optimizer)))
+      got = ckpt.restore(target=target)
+    self.assertEqual(got.step, 5)
+    self.assertIsInstance(got.policy, nnx.State)
+    self.assertEqual(jax.tree.structure(got.optimizer), jax.tree.structure(state.optimizer))
+    self.assertIsInstance(got.optimizer['policy'][1][0], optax.ScaleByAdamState)
+    self.assertTrue(_leaves_equal(got.policy, state.policy))
+    self.assertTrue(_leaves_equal(got.optimizer, state.optimizer))
+    self.assertEqual(int(got.optimizer['policy'][1][0].count), 1)
+    self.assertEqual(got.data, state.data)
+    self.assertEqual(got.metadata, state.metadata)
+    self.assertIsNone(got.critic)
+    self.assertEqual(checkpoint.model_config_from_json(got.metadata['model_config']), _CFG)
+
+  def test_restore_without_target_gives_raw_arrays(self):
+    state = _state(1)
+    with checkpoint.Checkpointer(self.dir, async_save=False) as ckpt:
+      ckpt.save(state)
+      got = ckpt.restore(items=('optimizer', 'data'))
+    self.assertIsNone(got.policy)
+    self.assertEqual(got.data, state.data)
+    np.testing.assert_array_equal(
+        sorted(np.asarray(x).sum() for x in jax.tree.leaves(got.optimizer)),
+        sorted(np.asarray(x).sum() for x in jax.tree.leaves(state.optimizer)))
+
+  def test_keep_n_and_specific_step(self):
+    with checkpoint.Checkpointer(self.dir, keep=2) as ckpt:
+      for step in (1, 2, 3, 4):
+        ckpt.save(_state(step, seed=step))
+      ckpt.wait()
+      self.assertEqual(ckpt.all_steps(), [3, 4])
+      self.assertEqual(ckpt.latest_step(), 4)
+      target = checkpoint.CheckpointState(
+          step=0, policy=checkpoint.abstract_target(jax.eval_shape(lambda: _state(0).policy)))
+      got = ckpt.restore(3, target=target, items=('policy', 'data'))
+      self.assertEqual(got.step, 3)
+      self.assertEqual(got.data['index'], 20)
+      self.assertTrue(_leaves_equal(got.policy, _state(3, seed=3).policy))
+      self.assertFalse(_leaves_equal(got.policy, _state(4, seed=4).policy))
+      with self.assertRaisesRegex(FileNotFoundError, r'step 1 .*available: \[3, 4\]'):
+        ckpt.restore(1)
+      with self.assertRaisesRegex(ValueError, 'already exists'):
+        ckpt.save(_state(4))
+    # A new manager on the same directory resumes the latest step.
+    with checkpoint.Checkpointer(self.dir, keep=2) as ckpt:
+      self.assertEqual(ckpt.restore(items=('data',)).step, 4)
+
+  def test_keep_from_config_and_errors(self):
+    config = ml_collections.ConfigDict({'workdir': self.dir, 'trainer': {'keep_checkpoints': 1}})
+    with checkpoint.Checkpointer.from_config(config, async_save=False) as ckpt:
+      self.assertEqual(ckpt.directory, os.path.join(self.dir, 'checkpoints'))
+      ckpt.save(_state(1))
+      ckpt.save(_state(2))
+      self.assertEqual(ckpt.all_steps(), [2])
+      with self.assertRaisesRegex(ValueError, 'policy is required'):
+        ckpt.save(checkpoint.CheckpointState(step=3, policy=None))
+      with self.assertRaisesRegex(ValueError, 'data must be JSON'):
+        ckpt.save(checkpoint.CheckpointState(step=3, policy={'w': jnp.ones(2)}, data={'x': object()}))
+    config.trainer.keep_checkpoints = 0
+    with self.assertRaisesRegex(config_lib.ConfigError, 'config.trainer.keep_checkpoints'):
+      checkpoint.Checkpointer.from_config(config)
+    with self.assertRaisesRegex(FileNotFoundError, 'No checkpoint'):
+      checkpoint.Checkpointer(os.path.join(self.dir, 'empty')).restore()
+
+  def test_sharded_restore_on_8_devices(self):
+    self.assertEqual(jax.device_count(), 8)
+    state = _state(7)
+    with checkpoint.Checkpointer(self.dir) as ckpt:
+      ckpt.save(state)
+      ckpt.wait()
+      mesh_cfg = ml_collections.ConfigDict({'data': 1, 'fsdp': 4, 'tensor': 2})
+      mesh = parallel.make_mesh(mesh_cfg)
+      rules = base.get_config().mesh.rules
+      abstract = jax.eval_shape(lambda: state.policy)
+      shardings = parallel.tree_shardings(abstract, mesh, rules)
+      target = checkpoint.CheckpointState(step=0, policy=checkpoint.abstract_target(abstract, shardings))
+      got = ckpt.restore(target=target, items=('policy',))
+    self.assertTrue(_leaves_equal(got.policy, state.policy))
+    sharded = 0
+    for leaf, want in zip(jax.tree.leaves(got.policy), jax.tree.leaves(shardings)):
+      self.assertTrue(leaf.sharding.is_equivalent_to(want, leaf.ndim), (leaf.sharding, want))
+      sharded += int(len(leaf.sharding.device_set) == 8 and not leaf.sharding.is_fully_replicated)
+    self.assertGreater(sharded, 0)  # The embedding and projections really are split over devices.
+
+  def test_load_policy(self):
+    model = _model(11)
+    with checkpoint.Checkpointer(self.dir) as ckpt:
+      ckpt.save(checkpoint.CheckpointState(step=9, policy=nnx.state(model),
+                                           metadata=checkpoint.policy_metadata(_CFG)))
+    loaded, cfg = checkpoint.load_policy(self.dir)
+    self.assertEqual(cfg, _CFG)
+    self.assertTrue(_leaves_equal(nnx.state(loaded), nnx.state(model)))
+    tokens = jnp.asarray([[3, 4, 5, 6]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(loaded(tokens)), np.asarray(model(tokens)))
+    with self.assertRaisesRegex(FileNotFoundError, 'does not exist'):
+      checkpoint.load_policy(os.path.join(self.dir, 'nope'))
+
+  def test_load_policy_needs_model_config(self):
+    with checkpoint.Checkpointer(self.dir, async_save=False) as ckpt:
+      ckpt.save(checkpoint.CheckpointState(step=1, policy=nnx.state(_model()), metadata={'other': 1}))
+    with self.assertRaisesRegex(ValueError, 'metadata.model_config'):
+      checkpoint.load_policy(self.dir)
+
+
+if __name__ == '__main__':
+  absltest.main()
