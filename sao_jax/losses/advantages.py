@@ -42,6 +42,7 @@ def _prepare(rewards, values, action_mask, gamma, lam, bootstrap):
   """Validates shapes; returns float32 (r, v, bool m, gamma, lam[B], bootstrap[B]), all stop-gradient'ed."""
   chex.assert_rank([rewards, values, action_mask], 2)
   chex.assert_equal_shape([rewards, values, action_mask])
+  chex.assert_type(values, float)
   b, _ = rewards.shape
   r = lax.stop_gradient(jnp.asarray(rewards, jnp.float32))
   v = lax.stop_gradient(jnp.asarray(values, jnp.float32))

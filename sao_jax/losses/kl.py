@@ -26,6 +26,7 @@ def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = '
   Differentiable w.r.t. both inputs; float32; same shape as the inputs.
   """
   chex.assert_equal_shape([logprobs, ref_logprobs])
+  chex.assert_type([logprobs, ref_logprobs], float)
   log_r = ref_logprobs.astype(jnp.float32) - logprobs.astype(jnp.float32)
   if estimator == 'k1':
     return -log_r
@@ -52,6 +53,7 @@ def entropy_from_logits(logits: jax.Array, mask: jax.Array | None = None) -> jax
   into them (no float32 `[..., V]` probability tensor beside the upcast; bf16 logits stay bf16 in memory).
   Tokens outside `mask` (same shape as the leading dims) are 0; average them with `common.masked_mean`.
   """
+  chex.assert_type(logits, float)
   z = logits.astype(jnp.float32)
   # Shift by the max first: with z ~ 1e4, logsumexp(z) - E[z] would cancel away float32's digits.
   z = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))

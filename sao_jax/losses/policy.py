@@ -91,10 +91,11 @@ def policy_loss(logprobs: jax.Array, behavior_logprobs: jax.Array, advantages: j
   if proximal_logprobs is None and behavior_correction != 'none':
     raise ValueError(f'behavior_correction={behavior_correction!r} needs proximal_logprobs (decoupled PPO)')
   chex.assert_rank(logprobs, 2)
-  tensors = [logprobs, behavior_logprobs, advantages, mask]
+  floats = [logprobs, behavior_logprobs, advantages]
   if proximal_logprobs is not None:
-    tensors.append(proximal_logprobs)
-  chex.assert_equal_shape(tensors)
+    floats.append(proximal_logprobs)
+  chex.assert_equal_shape(floats + [mask])
+  chex.assert_type(floats, float)
 
   m = jnp.asarray(mask) != 0
   mf = m.astype(jnp.float32)

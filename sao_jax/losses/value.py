@@ -35,6 +35,7 @@ def value_loss(values: jax.Array, returns: jax.Array, mask: jax.Array, *, old_va
   """
   chex.assert_rank(values, 2)
   chex.assert_equal_shape([values, returns, mask])
+  chex.assert_type([values, returns], float)
   m = jnp.asarray(mask) != 0
   v = values.astype(jnp.float32)
   ret = lax.stop_gradient(jnp.asarray(returns, jnp.float32))

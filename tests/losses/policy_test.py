@@ -249,8 +249,10 @@ class PolicyLossValueAndMetricsTest(parameterized.TestCase):
       call(clip_mode='ppo', behavior_correction='is')
     with self.assertRaises(TypeError):  # An unknown option names itself.
       call(clip_mode='ppo', dual_clip=3.0)
-    with self.assertRaises(AssertionError):
+    with self.assertRaises(AssertionError):  # chex: shapes.
       policy.policy_loss(logp, behavior[:, 1:], adv, mask, clip_mode='ppo', eps_low=0.2, eps_high=0.3)
+    with self.assertRaises(AssertionError):  # chex: dtypes (integer log-probs are a bug upstream).
+      policy.policy_loss(logp.astype(np.int32), behavior, adv, mask, clip_mode='ppo', eps_low=0.2, eps_high=0.3)
 
 
 if __name__ == '__main__':
