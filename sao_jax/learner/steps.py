@@ -32,10 +32,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from sao_jax import losses
 from sao_jax import parallel
 from sao_jax.learner import algo as algo_lib
 from sao_jax.learner import state as state_lib
-from sao_jax import losses
 from sao_jax.models import logprobs as logprobs_lib
 from sao_jax.types import Batch
 
@@ -58,7 +58,6 @@ class LearnerState:
 
 # ---------------------------------------------------------------------------------------------------------
 # Small masked statistics.
-
 
 masked_mean = losses.masked_mean
 

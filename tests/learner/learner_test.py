@@ -19,7 +19,6 @@ import numpy as np
 from absl.testing import absltest, parameterized
 from flax import nnx
 
-from sao_jax import parallel
 from sao_jax.config_lib import ConfigError
 from sao_jax.learner import Learner, NonFiniteUpdateError, StepConfig
 from sao_jax.learner import optim as optim_lib
@@ -233,6 +232,25 @@ class GroupLayoutTest(absltest.TestCase):
       StepConfig.from_config(c)
     c.algo.clip_mode = 'gspo'
     self.assertFalse(StepConfig.from_config(c).uses_critic)
+
+
+class GroupAdvantagesTest(parameterized.TestCase):
+  """The GRPO family's advantages from `config.algo` (pure, no model)."""
+
+  @parameterized.named_parameters(
+      ('grpo', 'grpo', {}, [0.5 / np.sqrt(0.5), -0.5 / np.sqrt(0.5)]),  # std with Bessel's correction.
+      ('dr_grpo', 'dr_grpo', {'algo.group_std_normalize': False, 'algo.agg': 'seq_mean_token_sum'},
+       [0.5, -0.5]),
+      ('rloo', 'rloo', {'algo.group_baseline': 'leave_one_out'}, [1.0, -1.0]),
+  )
+  def test_group_advantages(self, algo, overrides, first_group):
+    from sao_jax.learner import steps  # pylint: disable=g-import-not-at-top
+    cfg = StepConfig.from_config(H.config(algo, **overrides))
+    rewards = jnp.array([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 3.0, 1.0])
+    adv = np.asarray(steps.group_advantages(cfg, rewards))
+    np.testing.assert_allclose(adv[:2], first_group, rtol=1e-4)
+    np.testing.assert_allclose(adv[2:6], 0.0, atol=1e-6)  # Groups with equal rewards get exactly 0.
+    self.assertGreater(adv[6], 0.0)
 
 
 def _free_port() -> int:

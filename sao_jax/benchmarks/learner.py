@@ -1,0 +1,142 @@
+r"""Learner throughput: one SAO step vs one GRPO step at the same token count, and the critic/policy split.
+
+  python -m sao_jax.benchmarks.learner [--model=bench-25m --batch=8 --seq=256 --steps=3]
+
+All three programs are the real `sao_jax.learner.Learner` update (jitted, sharded, state donated):
+
+  SAO step          critic forward -> returns (lambda=1) -> K=2 critic updates -> critic forward ->
+                    adaptive-lambda advantages -> one policy update (frozen critic attention);
+  SAO critic part   the same program inside its critic-only warmup (the policy update is skipped by
+                    `lax.cond`), so policy part = SAO step - critic part;
+  GRPO step         group advantages (G = --group) -> one policy update, no critic.
+
+tokens/s = batch * seq / median step time (compile excluded, reported separately). Model FLOPs use the
+PaLM convention of `ModelConfig.flops_per_token` (forward + backward = 3 forwards; the critic has no
+lm-head matmul; frozen attention is not discounted), and MFU divides by the float32 `jnp.dot` peak
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from flax import nnx
+
+from configs import base
+from sao_jax import parallel
+from sao_jax.learner import Learner
+from sao_jax.models import Decoder, get_model_config
+from sao_jax.types import Batch
+
+_MODEL = flags.DEFINE_string('model', 'bench-25m', 'Named model config.')
+_BATCH = flags.DEFINE_integer('batch', 8, 'Trajectories per learner step.')
+_SEQ = flags.DEFINE_integer('seq', 256, 'Tokens per trajectory (padded length).')
+_PROMPT = flags.DEFINE_integer('prompt', 64, 'Prompt tokens per trajectory (the rest are actions).')
+_GROUP = flags.DEFINE_integer('group', 4, 'GRPO group size.')
+_STEPS = flags.DEFINE_integer('steps', 2, 'Timed steps per program (after one compile + warm-up step).')
+_DEVICES = flags.DEFINE_integer('devices', 1, 'Devices of the learner mesh (fsdp axis).')
+_PEAK = flags.DEFINE_bool('peak', True, 'Measure the float32 matmul peak for MFU.')
+
+
+def synthetic_batch(rows: int, seq: int, prompt: int, vocab: int, group: int, seed: int = 0) -> Batch:
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(3, vocab, (rows, seq)).astype(np.int32)
+  action = np.zeros((rows, seq), np.float32)
+  action[:, prompt:] = 1
+  rewards = np.zeros((rows, seq), np.float32)
+  rewards[:, -1] = rng.integers(0, 2, rows)
+  blp = (-np.log(vocab) * action).astype(np.float32)
+  return Batch(tokens=tokens, action_mask=action, behavior_logprobs=blp, rewards=rewards,
+               truncated=np.zeros(rows, bool), group_ids=(np.arange(rows) // group).astype(np.int32),
+               row_mask=np.ones(rows, np.float32), policy_version=np.zeros(rows, np.int32))
+
+
+def _config(algo: str, rows: int, group: int, devices: int):
+  c = base.get_config()
+  c.algo.name = algo
+  c.trainer.batch_size = rows
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, devices, 1
+  if algo == 'sao':
+    c.algo.critic_epochs = 2
+    c.algo.critic_warmup_steps = 0
+  else:
+    c.algo.group_size = group
+    c.algo.clip_mode = 'ppo'
+    c.algo.eps_low = c.algo.eps_high = 0.2
+  return c
+
+
+def time_program(config, policy, batch, steps: int, devices) -> tuple[float, float, dict]:
+  """(compile + first step seconds, median step seconds, last metrics) of one learner program."""
+  learner = Learner(config, policy=policy, mesh=parallel.make_mesh(config.mesh, devices=devices))
+  t0 = time.perf_counter()
+  learner.update(batch)
+  first = time.perf_counter() - t0
+  times, metrics = [], {}
+  for _ in range(steps):
+    metrics = learner.update(batch)
+    times.append(metrics['perf/step_time_s'])
+  del learner
+  return first, statistics.median(times), metrics
+
+
+def main(argv):
+  del argv
+  cfg = get_model_config(_MODEL.value)
+  rows, seq = _BATCH.value, _SEQ.value
+  tokens = rows * seq
+  devices = jax.devices()[:_DEVICES.value]
+  print(f'model {cfg.name}: {cfg.num_params() / 1e6:.1f}M params; batch {rows} x {seq} = {tokens} tokens '
+        f'({seq - _PROMPT.value} action tokens per row); {len(devices)} {devices[0].platform} device(s); '
+        f'jax {jax.__version__}')
+  policy = lambda: Decoder(cfg, rngs=nnx.Rngs(0))  # Each learner creates it directly sharded, under jit.
+  batch = synthetic_batch(rows, seq, _PROMPT.value, cfg.vocab_size, _GROUP.value)
+
+  runs = {}
+  sao = _config('sao', rows, _GROUP.value, len(devices))
+  runs['SAO step (critic fwd, K=2 critic updates, critic fwd, 1 policy update)'] = time_program(
+      sao, policy, batch, _STEPS.value, devices)
+  critic_only = _config('sao', rows, _GROUP.value, len(devices))
+  critic_only.algo.critic_warmup_steps = 10 ** 9
+  runs['SAO critic part (same program, policy update skipped)'] = time_program(
+      critic_only, policy, batch, _STEPS.value, devices)
+  grpo = _config('grpo', rows, _GROUP.value, len(devices))
+  runs[f'GRPO step (G={_GROUP.value}, 1 policy update)'] = time_program(grpo, policy, batch, _STEPS.value, devices)
+
+  fpt = cfg.flops_per_token(seq)
+  fpt_critic = fpt - 6.0 * cfg.vocab_size * cfg.embed_dim  # No lm-head matmul in the critic.
+  flops = {  # Model FLOPs of each program per token: update = 3 forwards, forward = 1/3 of an update.
+      0: fpt_critic * (2 + 2 / 3) + fpt,
+      1: fpt_critic * (2 + 2 / 3),
+      2: fpt,
+  }
+  peak = None
+  if _PEAK.value:
+    from sao_jax.benchmarks.train_step import matmul_peak  # pylint: disable=g-import-not-at-top
+    peak = matmul_peak()[0]
+  print(f'\n{"program":<74} {"compile+1st s":>13} {"step s":>8} {"tokens/s":>9} {"GFLOP/s":>8} {"MFU":>6}')
+  medians = []
+  for i, (name, (first, med, _)) in enumerate(runs.items()):
+    gflops = tokens * flops[i] / med / 1e9
+    mfu = f'{100 * gflops * 1e9 / peak:5.1f}%' if peak else '   n/a'
+    print(f'{name:<74} {first:13.1f} {med:8.3f} {tokens / med:9.0f} {gflops:8.1f} {mfu:>6}')
+    medians.append(med)
+  sao_s, critic_s, grpo_s = medians
+  policy_s = max(sao_s - critic_s, 0.0)
+  print(f'\nSAO step split: critic {critic_s:.3f} s ({100 * critic_s / sao_s:.0f}%), '
+        f'policy {policy_s:.3f} s ({100 * policy_s / sao_s:.0f}%)')
+  print(f'SAO step / GRPO step time at equal tokens: {sao_s / grpo_s:.2f}x '
+        f'(model-FLOP ratio {flops[0] / flops[2]:.2f}x)')
+  if peak:
+    print(f'float32 matmul peak in this run: {peak / 1e9:.0f} GFLOP/s')
+  m = runs[next(iter(runs))][2]
+  print(f'SAO critic grad norm {m["critic/grad_norm"]:.3g} (frozen attention), '
+        f'policy grad norm {m["policy/grad_norm"]:.3g}')
+
+
+if __name__ == '__main__':
+  app.run(main)
