@@ -1,0 +1,424 @@
+"""Tests of sao_jax.eval: the batched multi-turn driver, scoring counts and pass@k, the KV-cache adapter, CLI."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from configs import arith as arith_config
+from configs import calculator as calculator_config
+from sao_jax import checkpoint
+from sao_jax import eval as eval_lib
+from sao_jax.envs import answers
+from sao_jax.envs import base
+from sao_jax.envs import calculator
+from sao_jax.envs import evaluation
+from sao_jax.envs import registry
+from sao_jax.models import hf_io
+from sao_jax.models.config import get_model_config
+from sao_jax.models.llama import Decoder
+from sao_jax.models.tokenizers import CharTokenizer
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _prompt_index(task, tokenizer, examples):
+  """Maps a rendered prompt to its example index (stubs recognise the problem from the context)."""
+  out = {}
+  for i, ex in enumerate(examples):
+    ids, _ = tokenizer.apply_chat_template(ex.messages(), add_generation_prompt=True)
+    out[tuple(ids)] = i
+  return out
+
+
+def _problem_of(context, index):
+  """(example index, prompt length) of the known prompt that `context` starts with."""
+  for n in range(len(context), 0, -1):
+    if tuple(context[:n]) in index:
+      return index[tuple(context[:n])], n
+  raise AssertionError('context starts with no known prompt')
+
+
+class ScriptedGenerate:
+  """Returns scripted response texts: call c for problem i gets `script(i, c)` (+ the end-of-turn token)."""
+
+  def __init__(self, tokenizer, index, script):
+    self.tok, self.index, self.script = tokenizer, index, script
+    self.calls = {}
+
+  def __call__(self, context, max_new_tokens, stop_ids):
+    i, _ = _problem_of(context, self.index)
+    c = self.calls.get(i, 0)
+    self.calls[i] = c + 1
+    text, stop = self.script(i, c)
+    ids = self.tok.encode(text) + ([self.tok.eos_id] if stop else [])
+    ids = ids[:max_new_tokens]
+    return ids, [-0.5] * len(ids)
+
+
+def _counts(i, k):
+  """Correct samples of problem i (out of k): 0, 1, ..., k, 0, 1, ..."""
+  return i % (k + 1)
+
+
+class EvalScoringTest(parameterized.TestCase):
+  """The pipeline with a scripted generator: JSONL rows, counts and pass@k / avg@k exactly."""
+
+  def test_counts_pass_at_k_and_jsonl(self):
+    config = arith_config.get_config()
+    config.task.eval_size = 7
+    task = registry.get_task(config.task)
+    tok = CharTokenizer()
+    examples = task.eval_set()
+    k = 4
+
+    def script(i, c):
+      ex = examples[i]
+      wrong = str(int(ex.answer) + 1)
+      if c == 0:  # Greedy: right on even problems; problem 1 emits no stop token (truncated).
+        if i == 1:
+          return '<answer>' + ex.answer, False
+        return answers.render(ex.answer if i % 2 == 0 else wrong, 'tag'), True
+      j = c - 1  # Sample j: the first _counts(i) samples are right, the rest wrong or malformed.
+      if j < _counts(i, k):
+        return answers.render(ex.answer, 'tag'), True
+      return (answers.render(wrong, 'tag') if j % 2 else f'{ex.answer}'), True
+
+    gen = ScriptedGenerate(tok, _prompt_index(task, tok, examples), script)
+    backend = eval_lib.ContextBackend(gen, tok.stop_ids)
+    out = os.path.join(tempfile.mkdtemp(), 'sub', 'results.jsonl')
+    summary = eval_lib.evaluate(None, tok, task, config, num_samples=k, greedy=True, backend=backend,
+                                batch_size=3, output=out, progress=False)
+
+    n = len(examples)
+    greedy_ok = [i % 2 == 0 and i != 1 for i in range(n)]
+    self.assertEqual(summary['num_problems'], n)
+    self.assertEqual(summary['num_errors'], 0)
+    self.assertEqual(summary['num_samples'], k)
+    self.assertEqual(summary['num_episodes'], n * (k + 1))
+    self.assertAlmostEqual(summary['greedy_accuracy'], np.mean(greedy_ok))
+    for kk in (1, 2, 4):
+      want_pass = np.mean([1 - math.comb(k - _counts(i, k), kk) / math.comb(k, kk) for i in range(n)])
+      want_avg = np.mean([min(_counts(i, k), kk) / kk for i in range(n)])
+      self.assertAlmostEqual(summary[f'pass@{kk}'], want_pass, places=12)
+      self.assertAlmostEqual(summary[f'avg@{kk}'], want_avg, places=12)
+    self.assertAlmostEqual(summary['truncated_fraction'], 1 / (n * (k + 1)))
+    self.assertEqual(summary['mean_turns'], 1.0)
+    # Every episode ran exactly once per (problem, sample).
+    self.assertEqual(gen.calls, {i: k + 1 for i in range(n)})
+
+    with open(out) as f:
+      rows = [json.loads(line) for line in f]
+    self.assertLen(rows, n)
+    self.assertEqual([r['uid'] for r in rows], [ex.uid for ex in examples])
+    for i, r in enumerate(rows):
+      self.assertEqual(r['answer'], examples[i].answer)
+      self.assertEqual(r['num_samples'], k)
+      self.assertEqual(r['num_correct'], _counts(i, k))
+      self.assertEqual(r['correct'], [j < _counts(i, k) for j in range(k)])
+      self.assertEqual(r['greedy_correct'], greedy_ok[i])
+      self.assertEqual(r['info']['greedy_truncated'], i == 1)
+      self.assertEqual(r['responses'][:_counts(i, k)], [f'<answer>{examples[i].answer}</answer>'] * _counts(i, k))
+      self.assertEqual(r['rewards'], [1.0 if j < _counts(i, k) else 0.0 for j in range(k)])
+    self.assertEqual(rows[1]['greedy_response'], f'<answer>{examples[1].answer}')
+    with open(out + '.summary.json') as f:
+      self.assertEqual(json.load(f), summary)
+    # The JSONL reads back into the same summary.
+    self.assertEqual(evaluation.summarize(evaluation.read_jsonl(out))['pass@2'], summary['pass@2'])
+    self.assertIn('pass@4', evaluation.format_table(summary))
+
+  def test_env_errors_are_counted_and_excluded(self):
+    config = arith_config.get_config()
+    config.task.eval_size = 4
+    task = registry.get_task(config.task)
+    examples = task.eval_set()
+    bad_uid = examples[2].uid
+    make_env = task.make_env
+
+    def flaky_env(example):
+      env = make_env(example)
+      if example.uid == bad_uid:
+        def boom(text):
+          raise RuntimeError('verifier crashed')
+        env._step = boom  # pylint: disable=protected-access
+      return env
+    task.make_env = flaky_env
+    tok = CharTokenizer()
+    gen = ScriptedGenerate(tok, _prompt_index(task, tok, examples),
+                           lambda i, c: (answers.render(examples[i].answer, 'tag'), True))
+    run = eval_lib.run_eval(eval_lib.ContextBackend(gen, tok.stop_ids), tok, task, config, num_samples=2,
+                            progress=False)
+    self.assertEqual(run.summary['num_errors'], 1)
+    self.assertEqual(run.summary['greedy_accuracy'], 1.0)  # Over the 3 problems without errors.
+    self.assertEqual(run.summary['pass@2'], 1.0)
+    self.assertLen(run.results[2].errors, 3)
+    self.assertIn('verifier crashed', run.results[2].errors[0])
+    self.assertEqual(run.results[2].rewards, [0.0, 0.0])
+
+  def test_bad_arguments(self):
+    config = arith_config.get_config()
+    config.task.eval_size = 2
+    task = registry.get_task(config.task)
+    tok = CharTokenizer()
+    backend = eval_lib.ContextBackend(lambda c, n, s: ([tok.eos_id], [0.0]), tok.stop_ids)
+    with self.assertRaisesRegex(ValueError, 'Nothing to evaluate'):
+      eval_lib.run_eval(backend, tok, task, config, greedy=False, num_samples=0, progress=False)
+    with self.assertRaisesRegex(ValueError, 'temperature > 0'):
+      eval_lib.run_eval(backend, tok, task, config, num_samples=2, temperature=0.0, progress=False)
+    with self.assertRaisesRegex(ValueError, 'limit=0'):
+      eval_lib.run_eval(backend, tok, task, config, limit=0, progress=False)
+    with self.assertRaisesRegex(ValueError, 'needs a model'):
+      eval_lib.evaluate(None, tok, task, config)
+    config.sampler.max_seq_len = 20
+    with self.assertRaisesRegex(ValueError, 'config.sampler.max_seq_len=20'):
+      eval_lib.run_eval(backend, tok, task, config, progress=False)
+    with self.assertRaisesRegex(ValueError, 'exactly one of --checkpoint'):
+      eval_lib.load_model_and_tokenizer(config, checkpoint=None, hf_model=None)
+
+
+def _calc_script(examples, fmt='tag'):
+  """Problem i: 0 -> answers at once; 1 -> tool call then answer; 2 -> tool calls forever (turn limit);
+  3 -> rambles without a stop token; 4 -> tool call then a wrong answer."""
+  def script(i, c):
+    ex = examples[i]
+    tool, final = calculator.demo_actions(ex, fmt)
+    kind = i % 5
+    if kind == 0:
+      return final, True
+    if kind == 1:
+      return (tool if c == 0 else final), True
+    if kind == 2:
+      return tool, True
+    if kind == 3:
+      return '1' * 200, False
+    return (tool if c == 0 else answers.render(str(int(ex.answer) - 3), fmt)), True
+  return script
+
+
+class StatelessCalc:
+  """A context-only generator (no call counter), so the reference driver sees the same answers."""
+
+  def __init__(self, tok, index, script):
+    self.tok, self.index, self.script = tok, index, script
+
+  def __call__(self, context, max_new_tokens, stop_ids):
+    i, n = _problem_of(context, self.index)
+    turn = self.tok.decode(context[n:]).count('<result>')  # Observations so far.
+    text, stop = self.script(i, turn)
+    ids = self.tok.encode(text)
+    if stop and ids[-1] not in stop_ids:  # Inline mode stops on '</calc>' itself, else on end-of-turn.
+      ids = ids + [self.tok.eos_id]
+    ids = ids[:max_new_tokens]
+    return ids, [-0.25 - 0.01 * j for j in range(len(ids))]
+
+
+class BatchedDriverTest(parameterized.TestCase):
+  """`run_episodes` (all rows together, turn by turn) == `base.run_episode` (one at a time)."""
+
+  @parameterized.parameters('inline', 'message')
+  def test_matches_reference_driver_on_calculator(self, mode):
+    config = calculator_config.get_config('3')
+    config.task.eval_size = 10
+    config.task.kwargs.observation_mode = mode
+    task = registry.get_task(config.task)
+    tok = CharTokenizer()
+    examples = task.eval_set()
+    gen = StatelessCalc(tok, _prompt_index(task, tok, examples), _calc_script(examples))
+    limits = base.EpisodeLimits.from_config(config)
+    envs = [task.make_env(ex) for ex in examples]
+    stop_ids = base.stop_ids_for(envs[0], tok)
+    got = eval_lib.run_episodes(eval_lib.ContextBackend(gen, stop_ids), tok, envs, limits=limits,
+                                decoding=eval_lib.Decoding(0.0), seeds=list(range(len(envs))))
+    want = [base.run_episode(task.make_env(ex), tok, gen, limits=limits) for ex in examples]
+    turns = []
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g.tokens, w.tokens)
+      np.testing.assert_array_equal(g.action_mask, w.action_mask)
+      np.testing.assert_array_equal(g.behavior_logprobs, w.behavior_logprobs)
+      self.assertEqual((g.reward, g.truncated), (w.reward, w.truncated))
+      self.assertEqual(g.info, w.info)
+      turns.append(g.info['num_turns'])
+    # The script really produced 1-, 2- and 3-turn episodes, right and wrong, cut and complete.
+    self.assertEqual(turns[:5], [1, 2, 3, 1, 2])
+    self.assertEqual([t.reward for t in got[:5]], [1.0, 1.0, 0.0, 0.0, 0.0])
+    self.assertEqual([t.truncated for t in got[:5]], [False, False, True, True, False])
+    self.assertEqual(got[2].info['cut_by'], 'max_turns')
+    self.assertEqual(got[3].info['cut_by'], 'max_new_tokens')
+
+
+def _small_model(vocab_size: int, seed: int) -> Decoder:
+  cfg = get_model_config('tiny', vocab_size=vocab_size, num_layers=1, embed_dim=32, mlp_dim=64, head_dim=8,
+                         eos_ids=(1,))
+  return Decoder(cfg, rngs=nnx.Rngs(seed))
+
+
+class PlainGreedy:
+  """Reference generator: greedy decoding with the Decoder's plain (no cache) forward pass."""
+
+  def __init__(self, model: Decoder, length: int):
+    self.length = length
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, tokens, n):
+      logits = nnx.merge(graphdef, state)(tokens)[0, n - 1]
+      return jnp.argmax(logits), jax.nn.log_softmax(logits)
+
+    self._step = lambda tokens, n: step(state, tokens, n)
+
+  def __call__(self, context, max_new_tokens, stop_ids):
+    ids, lps = [], []
+    buf = np.zeros((1, self.length), np.int32)
+    ctx = list(context)
+    for _ in range(max_new_tokens):
+      buf[0, :len(ctx)] = ctx
+      tok, logp = self._step(jnp.asarray(buf), len(ctx))
+      tok = int(tok)
+      ids.append(tok)
+      lps.append(float(logp[tok]))
+      ctx.append(tok)
+      if tok in stop_ids:
+        break
+    return ids, lps
+
+
+class ToolEchoEnv(base.BaseEnv):
+  """Every turn ending on a stop text gets an observation; the episode runs to the turn limit."""
+
+  def __init__(self, example, mode: str, stop_texts, max_turns: int):
+    super().__init__(example, max_turns=max_turns)
+    self.observation_mode = mode
+    self.stop_texts = tuple(stop_texts)
+
+  def _step(self, action_text):
+    return base.StepResult(f'<result>{self.turn}</result>', 0.0, False, {})
+
+
+class EchoTask:
+  name = 'echo'
+
+  def __init__(self, examples, mode, stop_texts, max_turns):
+    self._examples, self.mode, self.stop_texts, self.max_turns = examples, mode, stop_texts, max_turns
+
+  def eval_set(self):
+    return list(self._examples)
+
+  def make_env(self, example):
+    return ToolEchoEnv(example, self.mode, self.stop_texts, self.max_turns)
+
+  def close(self):
+    pass
+
+
+class SamplerBackendTest(parameterized.TestCase):
+  """The KV-cache adapter: multi-turn episodes continued from the cache == plain-forward greedy reference."""
+
+  @parameterized.parameters('inline', 'message')
+  def test_multi_turn_greedy_matches_plain_forward(self, mode):
+    tok = CharTokenizer()
+    model = _small_model(tok.vocab_size, seed=3)
+    # Nearly every character ends a turn, so episodes really go through several continuations.
+    stop_texts = tuple('0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ+-*/=(). ')
+    config = arith_config.get_config()
+    config.sampler.max_new_tokens = 6
+    config.sampler.max_seq_len = 128
+    task = EchoTask([base.Example(uid=str(i), prompt=p, answer='0') for i, p in
+                     enumerate(['12+7=?', 'What is 3*45?', 'x', '99-100', 'hello there'])], mode, stop_texts, 3)
+    envs = [task.make_env(ex) for ex in task.eval_set()]
+    backend = eval_lib.make_backend(model, tok, task, config)
+    limits = base.EpisodeLimits(max_turns=3, max_new_tokens=6, max_seq_len=128)
+    got = eval_lib.run_episodes(backend, tok, envs, limits=limits, decoding=eval_lib.Decoding(0.0),
+                                seeds=[0] * len(envs))
+    ref = PlainGreedy(model, 128)
+    want = [base.run_episode(task.make_env(ex), tok, ref, limits=limits) for ex in task.eval_set()]
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g.tokens, w.tokens)
+      np.testing.assert_array_equal(g.action_mask, w.action_mask)
+      np.testing.assert_allclose(g.behavior_logprobs, w.behavior_logprobs, atol=2e-4)
+      self.assertEqual(g.info, w.info)
+    self.assertGreaterEqual(sum(t.info['num_turns'] >= 2 for t in got), 2, [t.info for t in got])
+
+  def test_reused_sampler_must_stop_on_task_tokens(self):
+    from sao_jax.models import sampler as sampler_lib  # pylint: disable=g-import-not-at-top
+    tok = CharTokenizer()
+    model = _small_model(tok.vocab_size, seed=0)
+    config = calculator_config.get_config()
+    config.task.eval_size = 2
+    task = registry.get_task(config.task)
+    plain = sampler_lib.Sampler(model, stop_ids=tok.stop_ids, pad_id=tok.pad_id)
+    with self.assertRaisesRegex(ValueError, 'does not stop on token'):
+      eval_lib.make_backend(model, tok, task, config, sampler=plain)
+    big = _small_model(tok.vocab_size - 10, seed=0)
+    with self.assertRaisesRegex(ValueError, 'only .* embeddings'):
+      eval_lib.make_backend(big, tok, task, config)
+
+
+class EndToEndTest(absltest.TestCase):
+  """The real thing with a random tiny Decoder and the char tokenizer (accuracy ~0; the pipeline is checked)."""
+
+  def test_calculator_evaluate_with_kv_sampler(self):
+    config = calculator_config.get_config()
+    config.task.eval_size = 3
+    config.sampler.max_new_tokens = 12
+    tok = CharTokenizer()
+    task = registry.get_task(config.task)
+    model = _small_model(tok.vocab_size, seed=1)
+    summary = eval_lib.evaluate(model, tok, task, config, num_samples=2, greedy=True, batch_size=8,
+                                progress=False)
+    self.assertEqual(summary['num_problems'], 3)
+    self.assertEqual(summary['num_episodes'], 9)
+    for key in ('greedy_accuracy', 'pass@1', 'pass@2', 'avg@1', 'avg@2'):
+      self.assertBetween(summary[key], 0.0, 1.0)
+    self.assertBetween(summary['mean_action_tokens'], 1.0, 3 * 12)
+
+  def test_cli_arith_checkpoint_and_errors(self):
+    tmp = tempfile.mkdtemp()
+    cfg = get_model_config('tiny', num_layers=1)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    with checkpoint.Checkpointer(os.path.join(tmp, 'ckpt')) as ckpt:
+      ckpt.save(checkpoint.CheckpointState(step=3, policy=nnx.state(model),
+                                           metadata=checkpoint.policy_metadata(cfg)))
+    out = os.path.join(tmp, 'res.jsonl')
+    env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='')
+    cmd = [sys.executable, '-m', 'sao_jax.eval', '--config=configs/arith.py', '--limit=3', '--num_samples=2',
+           '--batch_size=4', f'--output={out}', '--config.sampler.max_new_tokens=8']
+    proc = subprocess.run(cmd + [f'--checkpoint={tmp}/ckpt'], cwd=_ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    self.assertIn('pass@2', proc.stdout)
+    self.assertIn('greedy_accuracy', proc.stdout)
+    with open(out) as f:
+      rows = [json.loads(line) for line in f]
+    self.assertLen(rows, 3)
+    self.assertTrue(all(r['num_samples'] == 2 and len(r['responses']) == 2 for r in rows))
+    self.assertTrue(all(r['greedy_response'] is not None for r in rows))
+
+    proc = subprocess.run(cmd, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    self.assertNotEqual(proc.returncode, 0)
+    self.assertIn('exactly one of --checkpoint', proc.stderr)
+
+  def test_hf_model_loading(self):
+    tmp = tempfile.mkdtemp()
+    tok = CharTokenizer()
+    model = _small_model(tok.vocab_size, seed=2)
+    hf_io.save_hf(model, model.cfg, tmp)
+    config = arith_config.get_config()
+    loaded, tokenizer = eval_lib.load_model_and_tokenizer(config, checkpoint=None, hf_model=tmp)
+    self.assertIsInstance(tokenizer, CharTokenizer)  # No tokenizer.json: config.model.tokenizer ('char').
+    tokens = jnp.asarray([[5, 6, 7]], jnp.int32)
+    np.testing.assert_allclose(np.asarray(loaded(tokens)), np.asarray(model(tokens)), atol=1e-5)
+    with self.assertRaisesRegex(FileNotFoundError, 'not a directory'):
+      eval_lib.load_model_and_tokenizer(config, checkpoint=None, hf_model=os.path.join(tmp, 'nope'))
+
+
+if __name__ == '__main__':
+  absltest.main()
