@@ -7,7 +7,7 @@ spans between turns, the reward on the last action token), the median wall time 
   - the host numpy loop (`skip_observation_gae_numpy`, fewer repeats);
   - a memory-bound floor: one jitted elementwise pass that reads the same three `[B, T]` inputs and writes two
     `[B, T]` float32 outputs, the least any implementation must move;
-and prints a table with each time's ratio to the floor and which impl 'auto' resolves to on this backend.
+and prints a table (median and min) with each time's ratio to the floor and which impl 'auto' resolves to on this backend.
 Every implementation's advantages are checked against the numpy loop before timing.
 """
 
@@ -32,7 +32,7 @@ _TURNS = flags.DEFINE_integer('turns', 8, 'Action spans (turns) per row; observa
 _REPEATS = flags.DEFINE_integer('repeats', 20, 'Timed calls per jax implementation (after one warm-up).')
 _NUMPY_REPEATS = flags.DEFINE_integer('numpy_repeats', 3, 'Timed calls of the numpy loop (0 = skip it).')
 _IMPLS = flags.DEFINE_list('impls', ['associative', 'scan', 'blocked'], 'jax implementations to time.')
-_BLOCKS = flags.DEFINE_list('blocks', [], 'Extra block lengths to time for impl=blocked (a sweep).')
+_BLOCKS = flags.DEFINE_list('blocks', [], 'Extra impl=blocked settings to time, each "block" or "block/tile".')
 _GAMMA = flags.DEFINE_float('gamma', 1.0, 'Discount.')
 _LAM = flags.DEFINE_float('lam', 0.95, 'GAE lambda.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the synthetic batch.')
@@ -63,13 +63,14 @@ def make_batch(batch: int, length: int, obs_fraction: float, turns: int, seed: i
   return rewards, values, mask
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+def _timings(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+  """(median, min) wall seconds of `repeats` calls; the min shows the figure without other load."""
   times = []
-  for _ in range(repeats):
+  for _ in range(max(repeats, 1)):
     start = time.perf_counter()
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return statistics.median(times), min(times)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -82,37 +83,43 @@ def main(argv: Sequence[str]) -> None:
         f'backend={jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}')
 
   ref_adv = None
-  rows = []  # (name, median seconds, compile seconds, max |adv - numpy|)
+  rows = []  # (name, (median, min) seconds, compile seconds, max |adv - numpy|)
   if _NUMPY_REPEATS.value > 0:
     numpy_fn = lambda: advantages.skip_observation_gae_numpy(r_np, v_np, m_np, gamma=gamma, lam=lam)
     ref_adv = numpy_fn()[0]
-    rows.append(('numpy loop (host)', _median_seconds(numpy_fn, _NUMPY_REPEATS.value), 0.0, 0.0))
+    rows.append(('numpy loop (host)', _timings(numpy_fn, _NUMPY_REPEATS.value), 0.0, 0.0))
 
   @jax.jit
   def floor(r, v, m):
     adv = jnp.where(m, r + gamma * v, 0.0)
     return adv, jnp.where(m, adv - v, 0.0)
 
-  candidates = [(impl, impl, 256) for impl in _IMPLS.value]
-  candidates += [(f'blocked (block={n})', 'blocked', int(n)) for n in _BLOCKS.value]
-  for name, impl, block in candidates:
-    fn = jax.jit(lambda r, v, m, impl=impl, block=block: advantages.skip_observation_gae(
-        r, v, m, gamma=gamma, lam=lam, impl=impl, block=block))
+  candidates = [(impl, impl, {}) for impl in _IMPLS.value]
+  for spec in _BLOCKS.value:  # 'block' or 'block/tile'
+    block, _, tile = spec.partition('/')
+    kw = {'block': int(block)} | ({'tile': int(tile)} if tile else {})
+    candidates.append((f'blocked ({", ".join(f"{k}={x}" for k, x in kw.items())})', 'blocked', kw))
+  for name, impl, kw in candidates:
+    fn = jax.jit(lambda r, v, m, impl=impl, kw=kw: advantages.skip_observation_gae(
+        r, v, m, gamma=gamma, lam=lam, impl=impl, **kw))
     start = time.perf_counter()
     adv, _ = jax.block_until_ready(fn(r, v, m))
     compile_s = time.perf_counter() - start
     err = float(np.max(np.abs(np.asarray(adv) - ref_adv))) if ref_adv is not None else float('nan')
-    rows.append((name, _median_seconds(lambda: fn(r, v, m), _REPEATS.value), compile_s, err))
+    rows.append((name, _timings(lambda: fn(r, v, m), _REPEATS.value), compile_s, err))
   jax.block_until_ready(floor(r, v, m))
-  floor_s = _median_seconds(lambda: floor(r, v, m), _REPEATS.value)
+  floor_s = _timings(lambda: floor(r, v, m), _REPEATS.value)
   rows.append(('memory floor (3 reads, 2 writes)', floor_s, 0.0, float('nan')))
 
   default = advantages.default_gae_impl()
-  print(f'\n{"implementation":36s} {"median ms":>10s} {"x floor":>8s} {"compile s":>10s} {"max|err|":>9s}')
-  for name, sec, compile_s, err in rows:
+  print(f'\n{"implementation":34s} {"median ms":>10s} {"x floor":>8s} {"min ms":>8s} {"x floor":>8s} '
+        f'{"compile s":>10s} {"max|err|":>9s}')
+  for name, (med, best), compile_s, err in rows:
     tag = '  <- default (impl="auto")' if name == default else ''
-    print(f'{name:36s} {sec * 1e3:10.2f} {sec / floor_s:8.2f} {compile_s:10.2f} {err:9.1e}{tag}')
-  print(f'\nrepeats: {_REPEATS.value} (jax), {_NUMPY_REPEATS.value} (numpy); median wall time, compile excluded.')
+    print(f'{name:34s} {med * 1e3:10.2f} {med / floor_s[0]:8.2f} {best * 1e3:8.2f} {best / floor_s[1]:8.2f} '
+          f'{compile_s:10.2f} {err:9.1e}{tag}')
+  print(f'\nrepeats: {_REPEATS.value} (jax), {_NUMPY_REPEATS.value} (numpy); wall time after one warm-up call, '
+        'compile excluded; ratios are median / median floor and min / min floor.')
 
 
 if __name__ == '__main__':

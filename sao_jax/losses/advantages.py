@@ -141,12 +141,16 @@ def _blocked_recurrence(a: jax.Array, b: jax.Array, init: jax.Array) -> tuple[ja
   return xl + pl * right[None], right
 
 
-def _gae_blocked(r, v, m, gamma, lam, boot, block):
-  """Skip-observation GAE as the two chains of the module docstring, each by `_blocked_recurrence`.
+def _gae_blocked_tile(r, v, m, gamma, lam, next_v, next_a, block):
+  """Skip-observation GAE of one `[B, T]` tile given what follows it; the two chains by `_blocked_recurrence`.
 
-  The `[B, T]` inputs are put once in a time-major block layout `[L, B, nb]` (L = `block`), so each of the
-  two scans runs L iterations over wide slabs instead of T iterations over `[B]` vectors; the advantage is
-  put back to `[B, T]` at the end.
+  `next_v` / `next_a` `[B]` are the value and advantage of the first action token after the tile (bootstrap
+  and 0 after the last tile): the chains' values right after the tile. The tile is put once in a time-major
+  block layout `[L, B, nb]` (L = `block`), so each chain is a scan of L steps over wide slabs.
+
+  Returns:
+    `(u, w_start, u_start)`: u `[B, T]` (the advantage at action tokens) and both chains at the tile's first
+    position (the `next_v`, `next_a` of the tile before).
   """
   bsz, t = r.shape
   nb = -(-t // block)
@@ -158,12 +162,38 @@ def _gae_blocked(r, v, m, gamma, lam, boot, block):
     return jnp.transpose(x.reshape(bsz, nb, block), (2, 0, 1))
 
   rt, vt, mt = time_major(r), time_major(v), time_major(m)
-  w, w_right = _blocked_recurrence(jnp.where(mt, 0.0, 1.0), jnp.where(mt, vt, 0.0), boot)
-  next_v = jnp.concatenate([w[1:], w_right[None]], axis=0)  # w_{t+1}: value at the next action token.
-  delta = rt + gamma * next_v - vt
+  w, w_right = _blocked_recurrence(jnp.where(mt, 0.0, 1.0), jnp.where(mt, vt, 0.0), next_v)
+  w_next = jnp.concatenate([w[1:], w_right[None]], axis=0)  # w_{t+1}: value at the next action token.
+  delta = rt + gamma * w_next - vt
   gl = (gamma * lam)[:, None]
-  u, _ = _blocked_recurrence(jnp.where(mt, gl, 1.0), jnp.where(mt, delta, 0.0), jnp.zeros_like(boot))
-  return jnp.transpose(u, (1, 2, 0)).reshape(bsz, nb * block)[:, :t]
+  u, _ = _blocked_recurrence(jnp.where(mt, gl, 1.0), jnp.where(mt, delta, 0.0), next_a)
+  adv = jnp.transpose(u, (1, 2, 0)).reshape(bsz, nb * block)[:, :t]
+  return adv, w[0, :, 0], u[0, :, 0]
+
+
+def _gae_blocked(r, v, m, gamma, lam, boot, block, tile):
+  """Blocked skip-observation GAE over tiles of `tile` time steps, last tile first (a short scan).
+
+  Tiles keep the layout changes of `_gae_blocked_tile` inside the cache; the carry between tiles is the value
+  and advantage of the next action token. `tile` <= 0 or >= T: one tile.
+  """
+  bsz, t = r.shape
+  if tile <= 0 or tile >= t:
+    return _gae_blocked_tile(r, v, m, gamma, lam, boot, jnp.zeros_like(boot), block)[0]
+  n = -(-t // tile)
+  pad = n * tile - t
+  if pad:
+    r, v, m = (jnp.pad(x, ((0, 0), (0, pad))) for x in (r, v, m))
+
+  def tiles(x):  # [B, n * tile] -> [n, B, tile]: moves contiguous runs of `tile` elements.
+    return jnp.transpose(x.reshape(bsz, n, tile), (1, 0, 2))
+
+  def step(carry, x):
+    adv, w0, u0 = _gae_blocked_tile(*x, gamma, lam, *carry, block)
+    return (w0, u0), adv
+
+  _, adv = lax.scan(step, (boot, jnp.zeros_like(boot)), (tiles(r), tiles(v), tiles(m)), reverse=True)
+  return jnp.transpose(adv, (1, 0, 2)).reshape(bsz, n * tile)[:, :t]
 
 
 def _gae_via_recurrences(r, v, m, gamma, lam, boot, recurrence):
@@ -190,7 +220,7 @@ def default_gae_impl(backend: str | None = None) -> str:
 def skip_observation_gae(rewards: jax.Array, values: jax.Array, action_mask: jax.Array, *,
                          gamma: float | jax.Array, lam: float | jax.Array,
                          bootstrap: jax.Array | None = None, impl: GaeImpl = 'auto',
-                         block: int = 256) -> tuple[jax.Array, jax.Array]:
+                         block: int = 8, tile: int = 1024) -> tuple[jax.Array, jax.Array]:
   """Skip-observation GAE over the action tokens of each row (DESIGN.md contract).
 
   For the action positions `i_1 < ... < i_n` of a row (observation tokens are skipped):
@@ -208,6 +238,8 @@ def skip_observation_gae(rewards: jax.Array, values: jax.Array, action_mask: jax
       'blocked' (sequential inside blocks of `block` steps, all blocks at once, then across blocks), or
       'auto' = `default_gae_impl()` for the current backend. Static.
     block: block length of impl='blocked' (static).
+    tile: impl='blocked' works through the time axis in tiles of this many steps, last first (static;
+      <= 0 = one tile). Tiles keep its layout changes in cache.
 
   Returns:
     `(advantages, returns)`, float32 `[B, T]`, 0 outside the action mask, with no gradient.
@@ -224,7 +256,9 @@ def skip_observation_gae(rewards: jax.Array, values: jax.Array, action_mask: jax
     return _gae_via_recurrences(r, v, m, gamma, lam, boot, rec)
   if not isinstance(block, int) or block < 1:
     raise ValueError(f'block must be a positive int, got {block!r}')
-  return _finish(_gae_blocked(r, v, m, gamma, lam, boot, block), v, m)
+  if not isinstance(tile, int):
+    raise ValueError(f'tile must be an int, got {tile!r}')
+  return _finish(_gae_blocked(r, v, m, gamma, lam, boot, block, tile), v, m)
 
 
 def adaptive_lambda(action_mask: jax.Array, alpha: float | jax.Array = 1.5) -> jax.Array:

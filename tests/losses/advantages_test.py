@@ -11,16 +11,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sao_jax.losses import advantages
 
-# (name, impl, block): every jax implementation; blocked with blocks that do not divide T and with one block.
-_IMPLS = (('associative', 'associative', 256), ('scan', 'scan', 256), ('blocked_3', 'blocked', 3))
-_IMPLS_RANDOM = _IMPLS + (('blocked_2', 'blocked', 2), ('blocked_64', 'blocked', 64))
+# (name, impl, (block, tile)): every jax implementation; blocked with blocks and tiles that do not divide T,
+# one block, one tile.
+_IMPLS = (('associative', 'associative', (64, 0)), ('scan', 'scan', (64, 0)), ('blocked_3', 'blocked', (3, 0)),
+          ('blocked_2_tiles_5', 'blocked', (2, 5)))
+_IMPLS_RANDOM = _IMPLS + (('blocked_64', 'blocked', (64, 0)), ('blocked_4_tiles_16', 'blocked', (4, 16)))
 _B, _T, _GAMMA = 8, 40, 0.97  # Shape and discount of the random cases (one compile per impl, reused).
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(impl, block, gamma):
+def _jitted(impl, block_tile, gamma):
+  block, tile = block_tile
   return jax.jit(lambda r, v, m, lam, boot: advantages.skip_observation_gae(
-      r, v, m, gamma=gamma, lam=lam, bootstrap=boot, impl=impl, block=block))
+      r, v, m, gamma=gamma, lam=lam, bootstrap=boot, impl=impl, block=block, tile=tile))
 
 
 def _gae(impl, block, r, v, m, *, gamma, lam=1.0, boot=None):
@@ -115,8 +118,8 @@ class SkipObservationGaeTest(parameterized.TestCase):
 
   def test_implementations_agree(self):
     r, v, m, lam, boot = _random_inputs(7, p_action=0.8)
-    ref = _gae('scan', 256, r, v, m, lam=lam, boot=boot, gamma=_GAMMA)
-    for impl, block in (('associative', 256), ('blocked', 2), ('blocked', 64)):
+    ref = _gae('scan', (64, 0), r, v, m, lam=lam, boot=boot, gamma=_GAMMA)
+    for impl, block in (('associative', (64, 0)), ('blocked', (64, 0)), ('blocked', (4, 16))):
       out = _gae(impl, block, r, v, m, lam=lam, boot=boot, gamma=_GAMMA)
       for got, want in zip(out, ref):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f'{impl} {block}')
@@ -125,10 +128,10 @@ class SkipObservationGaeTest(parameterized.TestCase):
 
   def test_per_row_lambda_equals_rows_run_alone(self):
     r, v, m, lam, boot = _random_inputs(3)
-    adv, _ = _gae('auto', 256, r, v, m, lam=lam, boot=boot, gamma=0.9)
+    adv, _ = _gae('auto', (64, 0), r, v, m, lam=lam, boot=boot, gamma=0.9)
     for b in range(r.shape[0]):
       one = slice(b, b + 1)
-      row, _ = _gae('auto', 256, r[one], v[one], m[one], lam=float(lam[b]), boot=boot[one], gamma=0.9)
+      row, _ = _gae('auto', (64, 0), r[one], v[one], m[one], lam=float(lam[b]), boot=boot[one], gamma=0.9)
       np.testing.assert_allclose(adv[b], row[0], atol=1e-6)
 
   @parameterized.named_parameters(*_IMPLS)
@@ -137,7 +140,7 @@ class SkipObservationGaeTest(parameterized.TestCase):
 
     def f(r, v, boot):
       adv, ret = advantages.skip_observation_gae(r, v, m, gamma=0.9, lam=lam, bootstrap=boot, impl=impl,
-                                                 block=block)
+                                                 block=block[0], tile=block[1])
       return jnp.sum(adv * 3.0 + ret ** 2)
 
     grads = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(r, v, boot)
@@ -147,7 +150,8 @@ class SkipObservationGaeTest(parameterized.TestCase):
   @parameterized.named_parameters(*_IMPLS[1:])
   def test_vmap(self, impl, block):
     rs, vs, ms = zip(*[_random_inputs(seed)[:3] for seed in range(3)])
-    f = lambda r, v, m: advantages.skip_observation_gae(r, v, m, gamma=_GAMMA, lam=1.0, impl=impl, block=block)
+    f = lambda r, v, m: advantages.skip_observation_gae(r, v, m, gamma=_GAMMA, lam=1.0, impl=impl,
+                                                        block=block[0], tile=block[1])
     adv, _ = jax.jit(jax.vmap(f))(np.stack(rs), np.stack(vs), np.stack(ms))
     for i in range(3):
       np.testing.assert_allclose(adv[i], _gae(impl, block, rs[i], vs[i], ms[i], gamma=_GAMMA)[0], atol=1e-6)
@@ -160,7 +164,7 @@ class SkipObservationGaeTest(parameterized.TestCase):
     args = (r, v, m, lam, boot)
     for impl in ('associative', 'scan', 'blocked'):
       f = jax.jit(lambda r, v, m, lam, boot, impl=impl: advantages.skip_observation_gae(
-          r, v, m, gamma=0.95, lam=lam, bootstrap=boot, impl=impl, block=8))
+          r, v, m, gamma=0.95, lam=lam, bootstrap=boot, impl=impl, block=4, tile=16))
       want = f(*args)
       placed = [jax.device_put(x, rows if x.ndim == 2 else vec) for x in args]
       got = f(*placed)
