@@ -184,7 +184,7 @@ class SkipObservationGaeTest(parameterized.TestCase):
       advantages.skip_observation_gae(r, v[:, :-1], m, gamma=1.0, lam=1.0)
 
   def test_default_impl(self):
-    self.assertEqual(advantages.default_gae_impl('cpu'), 'scan')
+    self.assertEqual(advantages.default_gae_impl('cpu'), 'blocked')
     self.assertEqual(advantages.default_gae_impl('gpu'), 'associative')
     self.assertEqual(advantages.default_gae_impl('tpu'), 'associative')
 
