@@ -1,0 +1,309 @@
+"""Tests of the KV-cache sampler and the token-selection functions (tiny model, CPU)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+from absl.testing import parameterized
+from flax import nnx
+
+from sao_jax.models import sampling
+from sao_jax.models.config import get_model_config
+from sao_jax.models.llama import Decoder
+from sao_jax.models.sampler import Sampler, StopReason
+from sao_jax.models.sampling import SamplingParams
+
+_PROMPTS = ([5, 6, 7, 8, 9], [10, 11, 12], [13, 40, 41, 42, 43, 44, 45, 46, 47], [99])
+
+
+@functools.lru_cache(maxsize=None)
+def _model() -> Decoder:
+  # Untied embeddings + qkv bias + qk norm: every optional weight path of the decode graph is exercised.
+  cfg = get_model_config('tiny', tie_embeddings=False, qkv_bias=True, qk_norm=True)
+  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  # Non-zero biases (they are zero-initialised) so that the test sees them.
+  attn = model.layers.attn
+  for i, name in enumerate(('q_bias', 'k_bias', 'v_bias')):
+    p = getattr(attn, name)
+    p.value = 0.1 * jax.random.normal(jax.random.key(i), p.value.shape)
+  return model
+
+
+@functools.lru_cache(maxsize=None)
+def _sampler(stop_ids=(3,)) -> Sampler:
+  return Sampler(_model(), stop_ids=stop_ids, pad_id=0, prompt_buckets=(16,))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_fn():
+  graphdef, state = nnx.split(_model())
+  return jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)), state
+
+
+def _full_logits(seq: list[int]) -> np.ndarray:
+  """Plain forward pass (no cache) over one sequence: logits [T, V]."""
+  fn, state = _forward_fn()
+  return np.asarray(fn(state, jnp.asarray([seq], jnp.int32))[0])
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+class SelectTokensTest(parameterized.TestCase):
+
+  def test_policy_logprob_and_determinism(self):
+    logits = jax.random.normal(jax.random.key(0), (4, 50)) * 3
+    seeds = jnp.arange(4, dtype=jnp.uint32)
+    tok, lp, slp = sampling.select_tokens(logits, seeds, 7, SamplingParams())
+    ref = _log_softmax(np.asarray(logits))[np.arange(4), np.asarray(tok)]
+    np.testing.assert_allclose(lp, ref, atol=1e-5)
+    np.testing.assert_array_equal(lp, slp)
+    tok2, _, _ = sampling.select_tokens(logits, seeds, 7, SamplingParams())
+    np.testing.assert_array_equal(tok, tok2)
+    # A row's draw depends on its own seed only, not on its place in the batch.
+    tok_rev, _, _ = sampling.select_tokens(logits[::-1], seeds[::-1], 7, SamplingParams())
+    np.testing.assert_array_equal(tok, np.asarray(tok_rev)[::-1])
+
+  def test_greedy(self):
+    logits = jax.random.normal(jax.random.key(1), (3, 20))
+    tok, lp, slp = sampling.select_tokens(logits, jnp.zeros(3, jnp.uint32), 0, SamplingParams(temperature=0.0))
+    np.testing.assert_array_equal(tok, np.argmax(logits, -1))
+    np.testing.assert_array_equal(slp, 0.0)
+    np.testing.assert_allclose(lp, _log_softmax(np.asarray(logits)).max(-1), atol=1e-6)
+
+  def test_categorical_icdf_matches_distribution(self):
+    # 200 tokens (not a multiple of the 128 block) with a few zero-probability ones.
+    z = np.asarray(jax.random.normal(jax.random.key(2), (200,))) * 2
+    z[[0, 127, 128, 199]] = -1e30
+    lp = _log_softmax(z[None])[0]
+    n = 40000
+    u = jax.random.uniform(jax.random.key(3), (n,))
+    draws = np.asarray(sampling.categorical_icdf(jnp.broadcast_to(jnp.asarray(lp), (n, 200)), u))
+    counts = np.bincount(draws, minlength=200)
+    self.assertEqual(counts[[0, 127, 128, 199]].sum(), 0)
+    p = np.exp(lp)
+    # Every count within 5 binomial standard deviations (+1) of its expectation.
+    np.testing.assert_array_less(np.abs(counts - n * p), 5 * np.sqrt(n * p * (1 - p)) + 1)
+
+  def test_icdf_edge_uniforms(self):
+    lp = jnp.log(jnp.asarray([[0.0, 0.5, 0.0, 0.5], [0.25, 0.25, 0.25, 0.25]]) + 1e-38)
+    for u, expected in ((0.0, [1, 0]), (0.9999999, [3, 3]), (0.5, [3, 2])):
+      tok = sampling.categorical_icdf(lp, jnp.full((2,), u), block=2)
+      np.testing.assert_array_equal(tok, expected, err_msg=f'u={u}')
+
+  def test_top_p_mask_matches_sorted_reference(self):
+    logits = np.asarray(jax.random.normal(jax.random.key(4), (6, 300))) * 2
+    lp = _log_softmax(logits)
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+      mask = np.asarray(sampling.top_p_mask(jnp.asarray(lp), top_p))
+      for b in range(6):
+        order = np.argsort(-lp[b])
+        cum = np.cumsum(np.exp(lp[b][order]))
+        keep_n = int(np.searchsorted(cum, top_p) + 1)
+        ref = np.zeros(300, bool)
+        ref[order[:keep_n]] = True
+        np.testing.assert_array_equal(mask[b], ref, err_msg=f'top_p={top_p} row={b}')
+
+  @parameterized.named_parameters(
+      ('temperature', SamplingParams(temperature=0.7)),
+      ('top_k', SamplingParams(top_k=5)),
+      ('top_p', SamplingParams(top_p=0.8)),
+      ('all', SamplingParams(temperature=1.3, top_k=10, top_p=0.9)))
+  def test_sampling_logprob(self, params):
+    logits = np.asarray(jax.random.normal(jax.random.key(5), (8, 64))) * 2
+    banned = np.zeros((8, 64), bool)
+    banned[:, 3] = True
+    tok, lp, slp = sampling.select_tokens(jnp.asarray(logits), jnp.arange(8, dtype=jnp.uint32), 0, params,
+                                          banned=jnp.asarray(banned))
+    tok = np.asarray(tok)
+    self.assertFalse(np.any(tok == 3))
+    np.testing.assert_allclose(lp, _log_softmax(logits)[np.arange(8), tok], atol=1e-5)
+    z = np.where(banned, -np.inf, logits) / params.temperature
+    keep = np.isfinite(z)
+    if params.top_k:
+      kth = np.sort(z, -1)[:, -params.top_k][:, None]
+      keep &= z >= kth
+    zk = np.where(keep, z, -np.inf)
+    if params.top_p < 1:
+      keep &= np.asarray(sampling.top_p_mask(jnp.asarray(_log_softmax(zk)), params.top_p))
+    ref = _log_softmax(np.where(keep, z, -np.inf))
+    self.assertTrue(np.all(keep[np.arange(8), tok]))
+    np.testing.assert_allclose(slp, ref[np.arange(8), tok], atol=1e-5)
+
+  def test_bad_params(self):
+    with self.assertRaisesRegex(ValueError, 'top_p'):
+      SamplingParams(top_p=0.0)
+    with self.assertRaisesRegex(ValueError, 'temperature'):
+      SamplingParams(temperature=-1.0)
+    with self.assertRaisesRegex(ValueError, 'top_k'):
+      SamplingParams(top_k=-2)
+
+
+class SamplerTest(parameterized.TestCase):
+
+  def _check_against_forward(self, prompts, out, params=SamplingParams()):
+    """Log-probs returned by the sampler == those of a plain forward pass over prompt + generation."""
+    for b, prompt in enumerate(prompts):
+      gen = out.tokens[b, :out.lengths[b]].tolist()
+      self.assertTrue(np.all(out.tokens[b, out.lengths[b]:] == 0))
+      if not gen:
+        continue
+      seq = list(prompt) + gen
+      logits = _full_logits(seq)[len(prompt) - 1:len(seq) - 1]
+      ref = _log_softmax(logits)[np.arange(len(gen)), gen]
+      np.testing.assert_allclose(out.logprobs[b, :len(gen)], ref, atol=2e-5, err_msg=f'row {b}')
+      if params is None:
+        continue
+      if params.is_policy:
+        np.testing.assert_array_equal(out.sampling_logprobs[b], out.logprobs[b])
+      else:
+        z = logits / params.temperature
+        keep = np.ones_like(z, bool)
+        if params.top_k:
+          keep &= z >= np.sort(z, -1)[:, -params.top_k][:, None]
+        ref_s = _log_softmax(np.where(keep, z, -np.inf))[np.arange(len(gen)), gen]
+        np.testing.assert_allclose(out.sampling_logprobs[b, :len(gen)], ref_s, atol=2e-5)
+
+  def _check_stops(self, out, budgets, stop_ids):
+    for b in range(len(out.lengths)):
+      gen = out.tokens[b, :out.lengths[b]].tolist()
+      early = [t for t in gen[:-1] if t in stop_ids]
+      self.assertEqual(early, [], f'row {b} continued past a stop token')
+      if out.stop_reason[b] == StopReason.STOP_TOKEN:
+        self.assertIn(gen[-1], stop_ids)
+      else:
+        self.assertEqual(out.stop_reason[b], StopReason.BUDGET)
+        self.assertEqual(out.lengths[b], budgets[b])
+
+  def test_logprobs_match_forward_and_stops(self):
+    # Stop on a set of frequent tokens so that some rows stop early and others run out of budget.
+    model = _model()
+    first = np.argmax(_full_logits(list(_PROMPTS[0]))[-1])
+    stop_ids = (int(first), 3, 4)
+    sampler = Sampler(model, stop_ids=stop_ids, pad_id=0, prompt_buckets=(16,))
+    budgets = [12, 5, 20, 0]
+    out = sampler.generate(_PROMPTS, max_new_tokens=budgets, seeds=11)
+    self.assertEqual(out.tokens.shape, (4, 32))
+    self.assertEqual(out.lengths[3], 0)
+    self._check_stops(out, budgets, stop_ids)
+    self._check_against_forward(_PROMPTS, out)
+    # Many seeds: both stop reasons occur.
+    reasons = set()
+    for seed in range(4):
+      o = sampler.generate(_PROMPTS, max_new_tokens=budgets, seeds=100 * seed)
+      self._check_stops(o, budgets, stop_ids)
+      reasons |= set(o.stop_reason[:3].tolist())
+    self.assertEqual(reasons, {StopReason.STOP_TOKEN, StopReason.BUDGET})
+
+  @parameterized.named_parameters(
+      ('temperature_top_k', SamplingParams(temperature=0.7, top_k=7)),
+      ('hot', SamplingParams(temperature=1.5)))
+  def test_sampling_logprobs_match_forward(self, params):
+    out = _sampler().generate(_PROMPTS[:3], max_new_tokens=10, seeds=[1, 2, 3], params=params)
+    self._check_against_forward(_PROMPTS[:3], out, params)
+
+  def test_greedy_matches_uncached_greedy(self):
+    out = _sampler(stop_ids=()).generate(_PROMPTS, max_new_tokens=12, params=SamplingParams(temperature=0.0))
+    for b, prompt in enumerate(_PROMPTS):
+      seq = list(prompt)
+      for _ in range(12):  # Greedy decoding with a full forward pass per token (no cache).
+        seq.append(int(np.argmax(_full_logits(seq)[-1])))
+      self.assertEqual(out.tokens[b].tolist()[:12], seq[len(prompt):], f'row {b}')
+      np.testing.assert_array_equal(out.sampling_logprobs[b, :12], 0.0)
+
+  def test_seeds(self):
+    sampler = _sampler()
+    a = sampler.generate(_PROMPTS[:3], max_new_tokens=8, seeds=[7, 8, 9])
+    b = sampler.generate(_PROMPTS[:3][::-1], max_new_tokens=8, seeds=[9, 8, 7])
+    np.testing.assert_array_equal(a.tokens, b.tokens[::-1])
+    c = sampler.generate(_PROMPTS[:3], max_new_tokens=8, seeds=[17, 18, 19])
+    self.assertFalse(np.array_equal(a.tokens, c.tokens))
+
+  def test_min_new_tokens_bans_stop(self):
+    model = _model()
+    first = int(np.argmax(_full_logits(list(_PROMPTS[1]))[-1]))
+    sampler = Sampler(model, stop_ids=(first,), pad_id=0, prompt_buckets=(16,))
+    greedy = SamplingParams(temperature=0.0)
+    out = sampler.generate([_PROMPTS[1]], max_new_tokens=6, params=greedy)
+    self.assertEqual((out.lengths[0], out.stop_reason[0]), (1, StopReason.STOP_TOKEN))
+    out = sampler.generate([_PROMPTS[1]], max_new_tokens=6, params=greedy, min_new_tokens=6)
+    self.assertEqual((out.lengths[0], out.stop_reason[0]), (6, StopReason.BUDGET))
+    self.assertNotIn(first, out.tokens[0].tolist())
+    # The policy log-prob is unaffected by the ban.
+    self._check_against_forward([_PROMPTS[1]], out, params=None)
+
+  def test_continuation_matches_forward_without_reprefill(self):
+    sampler = _sampler()
+    out1 = sampler.generate(_PROMPTS[:3], max_new_tokens=[6, 4, 5], seeds=5, keep_state=True)
+    index1 = int(out1.state.cache.index)
+    obs = [[20, 21, 22], [23], None]  # Row 2's episode is over.
+    out2 = sampler.continue_generation(out1.state, obs, max_new_tokens=7, keep_state=True)
+    self.assertEqual(out2.lengths[2], 0)
+    # Only the new chunk (bucket 16) and the decode steps were written: the history was not re-run.
+    steps2 = int(out2.lengths.max())
+    self.assertEqual(int(out2.state.cache.index), index1 + 16 + steps2 - 1)
+    obs3 = [[30, 31], [32, 33, 34, 35], [36]]  # Row 2 comes back.
+    out3 = sampler.continue_generation(out2.state, obs3, max_new_tokens=[3, 9, 4])
+    for b in range(3):
+      seq = list(_PROMPTS[b])
+      turns = []
+      for out, ob in ((out1, None), (out2, obs[b]), (out3, obs3[b])):
+        if ob is not None:
+          seq += ob
+        gen = out.tokens[b, :out.lengths[b]].tolist()
+        turns.append((len(seq), gen, out.logprobs[b, :len(gen)]))
+        seq += gen
+      logp = _log_softmax(_full_logits(seq))
+      for start, gen, lps in turns:
+        ref = logp[np.arange(start - 1, start - 1 + len(gen)), gen]
+        np.testing.assert_allclose(lps, ref, atol=3e-5, err_msg=f'row {b}')
+
+  def test_cache_grows_for_long_continuation(self):
+    sampler = _sampler(stop_ids=())
+    out = sampler.generate([[5, 6]], max_new_tokens=16, keep_state=True)
+    s0 = out.state.cache.max_len
+    out2 = sampler.continue_generation(out.state, [[7] * 15], max_new_tokens=40, keep_state=True)
+    self.assertGreater(out2.state.cache.max_len, s0)
+    seq = [5, 6] + out.token_lists()[0] + [7] * 15
+    gen = out2.token_lists()[0]
+    self.assertLen(gen, 40)
+    logp = _log_softmax(_full_logits(seq + gen))
+    ref = logp[np.arange(len(seq) - 1, len(seq) - 1 + 40), gen]
+    np.testing.assert_allclose(out2.logprobs[0, :40], ref, atol=3e-5)
+
+  def test_bucketing_bounds_compiles(self):
+    sampler = Sampler(_model(), stop_ids=(3,), pad_id=0, prompt_buckets=(8, 16))
+    # Batch 1..4 -> buckets {1, 2, 4}; prompt 1..16 -> {8, 16}; new tokens 0..16 -> {16}: 6 shapes.
+    for b in (1, 2, 4):
+      for length in (8, 16):
+        sampler.generate([[5] * length] * b, max_new_tokens=2)
+    self.assertEqual(sampler.num_compiled(), {'prefill': 6, 'decode': 6, 'init_cache': 6, 'grow_cache': 0})
+    rng = np.random.default_rng(0)
+    for _ in range(10):
+      b = int(rng.integers(1, 5))
+      prompts = [rng.integers(5, 500, size=rng.integers(1, 17)).tolist() for _ in range(b)]
+      budgets = rng.integers(0, 17, size=b)
+      out = sampler.generate(prompts, max_new_tokens=budgets, seeds=int(rng.integers(1000)))
+      self.assertEqual(out.lengths.shape, (b,))
+      self.assertTrue(np.all(out.lengths <= budgets))
+    self.assertEqual(sampler.num_compiled(), {'prefill': 6, 'decode': 6, 'init_cache': 6, 'grow_cache': 0})
+
+  def test_errors(self):
+    sampler = _sampler()
+    with self.assertRaisesRegex(ValueError, 'prompt 1 is empty'):
+      sampler.generate([[1, 2], []], max_new_tokens=3)
+    with self.assertRaisesRegex(ValueError, 'max_new_tokens'):
+      sampler.generate([[1, 2]], max_new_tokens=[3, 4])
+    with self.assertRaisesRegex(ValueError, 'stop_ids'):
+      Sampler(_model(), stop_ids=(10_000,))
+    out = sampler.generate([[1, 2]], max_new_tokens=2, keep_state=True)
+    with self.assertRaisesRegex(ValueError, 'observations'):
+      sampler.continue_generation(out.state, [[1], [2]], max_new_tokens=2)
+
+
+if __name__ == '__main__':
+  absltest.main()
