@@ -93,10 +93,11 @@ class SamplerBackend:
   """
 
   def __init__(self, model, *, stop_ids: Sequence[int], pad_id: int, max_total_len: int,
-               prompt_buckets: Sequence[int] = (), sampler=None):
+               prompt_buckets: Sequence[int] = (), min_rows: int = 1, sampler=None):
     from sao_jax.models import sampler as sampler_lib  # pylint: disable=g-import-not-at-top
     self._lib = sampler_lib
     self.stop_ids = tuple(int(i) for i in stop_ids)
+    self.pad_id = int(pad_id)
     if sampler is None:
       sampler = sampler_lib.Sampler(model, stop_ids=self.stop_ids, pad_id=pad_id,
                                     prompt_buckets=tuple(prompt_buckets) or None)
@@ -110,25 +111,37 @@ class SamplerBackend:
         sampler.update_weights(model)
     self.sampler = sampler
     self.max_total_len = int(max_total_len)
+    self.min_rows = int(min_rows)
 
   def _params(self, decoding: Decoding):
     return self._lib.SamplingParams(temperature=float(decoding.temperature), top_p=float(decoding.top_p),
                                     top_k=int(decoding.top_k))
 
+  def _fill(self, n: int) -> int:
+    """Idle rows added so that every call has at least `min_rows` rows (a last, partial batch reuses the
+    programs compiled for full ones); they have a budget of 0 and generate nothing."""
+    return max(0, self.min_rows - n)
+
   @staticmethod
-  def _rows(out) -> list[Generation]:
-    return [Generation(out.tokens[b, :n].tolist(), out.logprobs[b, :n].tolist())
-            for b, n in enumerate(out.lengths.tolist())]
+  def _rows(out, n: int) -> list[Generation]:
+    return [Generation(out.tokens[b, :k].tolist(), out.logprobs[b, :k].tolist())
+            for b, k in enumerate(out.lengths[:n].tolist())]
 
   def first_turn(self, prompts, budgets, *, decoding, seeds):
-    out = self.sampler.generate(prompts, max_new_tokens=list(budgets), params=self._params(decoding),
-                                seeds=list(seeds), max_total_len=self.max_total_len, keep_state=True)
-    return self._rows(out), out.state
+    n, fill = len(prompts), self._fill(len(prompts))
+    out = self.sampler.generate(
+        [list(p) for p in prompts] + [[self.pad_id]] * fill, max_new_tokens=list(budgets) + [0] * fill,
+        params=self._params(decoding), seeds=list(seeds) + [0] * fill, max_total_len=self.max_total_len,
+        keep_state=True)
+    return self._rows(out, n), out.state
 
   def next_turn(self, handle, observations, budgets, *, decoding):
-    out = self.sampler.continue_generation(handle, list(observations), max_new_tokens=list(budgets),
-                                           params=self._params(decoding), keep_state=True)
-    rows = self._rows(out)
+    n = len(observations)
+    fill = handle.batch_size - n
+    out = self.sampler.continue_generation(
+        handle, list(observations) + [None] * fill, max_new_tokens=list(budgets) + [0] * fill,
+        params=self._params(decoding), keep_state=True)
+    rows = self._rows(out, n)
     return [None if obs is None else row for obs, row in zip(observations, rows)], out.state
 
 
@@ -314,8 +327,10 @@ class EvalRun:
   summary: dict[str, float]
 
 
-def make_backend(model, tokenizer: base.Tokenizer, task, config, *, sampler=None) -> SamplerBackend:
-  """The KV-cache sampler backend for `task`'s episodes (stop ids: tokenizer end-of-turn + env stop texts)."""
+def make_backend(model, tokenizer: base.Tokenizer, task, config, *, sampler=None,
+                 batch_size: int | None = None) -> SamplerBackend:
+  """The KV-cache sampler backend for `task`'s episodes (stop ids: tokenizer end-of-turn + env stop texts;
+  calls padded to `batch_size` rows, default `config.sampler.batch_size`)."""
   cfg = getattr(model, 'cfg', None)
   vocab = getattr(tokenizer, 'vocab_size', None)
   if cfg is not None and vocab is not None and vocab > cfg.vocab_size:
@@ -325,7 +340,8 @@ def make_backend(model, tokenizer: base.Tokenizer, task, config, *, sampler=None
   stop_ids = base.stop_ids_for(probe, tokenizer) if probe is not None else tuple(tokenizer.stop_ids)
   return SamplerBackend(model, stop_ids=stop_ids, pad_id=tokenizer.pad_id,
                         max_total_len=int(config.sampler.max_seq_len),
-                        prompt_buckets=tuple(config.sampler.prompt_buckets), sampler=sampler)
+                        prompt_buckets=tuple(config.sampler.prompt_buckets),
+                        min_rows=int(batch_size or config.sampler.batch_size), sampler=sampler)
 
 
 def run_eval(backend: Backend, tokenizer: base.Tokenizer, task, config, *, num_samples: int = 0,
@@ -451,7 +467,7 @@ def evaluate(model, tokenizer: base.Tokenizer, task, config, *, num_samples: int
   if backend is None:
     if model is None:
       raise ValueError('evaluate needs a model (or a backend).')
-    backend = make_backend(model, tokenizer, task, config, sampler=sampler)
+    backend = make_backend(model, tokenizer, task, config, sampler=sampler, batch_size=kwargs.get('batch_size'))
   run = run_eval(backend, tokenizer, task, config, num_samples=num_samples, greedy=greedy, **kwargs)
   if output:
     write_outputs(output, run)
@@ -533,7 +549,8 @@ def main(argv: Sequence[str]) -> None:
   output = f['output'].value or f'eval_{task.name}.jsonl'
   try:
     run = run_eval(
-        make_backend(model, tokenizer, task, config), tokenizer, task, config,
+        make_backend(model, tokenizer, task, config, batch_size=f['batch_size'].value or None), tokenizer,
+        task, config,
         num_samples=f['num_samples'].value, greedy=f['greedy'].value, temperature=f['temperature'].value,
         top_p=f['top_p'].value, top_k=f['top_k'].value, limit=f['limit'].value or None,
         batch_size=f['batch_size'].value or None, seed=f['seed'].value)

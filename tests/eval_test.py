@@ -372,24 +372,34 @@ class EndToEndTest(absltest.TestCase):
     tok = CharTokenizer()
     task = registry.get_task(config.task)
     model = _small_model(tok.vocab_size, seed=1)
-    summary = eval_lib.evaluate(model, tok, task, config, num_samples=2, greedy=True, batch_size=8,
-                                progress=False)
+    backend = eval_lib.make_backend(model, tok, task, config, batch_size=4)
+    rows, generate = [], backend.sampler.generate
+
+    def spy(prompts, **kwargs):
+      rows.append(len(prompts))
+      return generate(prompts, **kwargs)
+    backend.sampler.generate = spy
+    run = eval_lib.run_eval(backend, tok, task, config, num_samples=2, greedy=True, batch_size=4,
+                            progress=False)
+    summary = run.summary
     self.assertEqual(summary['num_problems'], 3)
     self.assertEqual(summary['num_episodes'], 9)
+    # Batches of 3 (greedy), 4 and 2 (samples) all run as 4 rows (one program per decoding mode).
+    self.assertEqual(rows, [4, 4, 4])
     for key in ('greedy_accuracy', 'pass@1', 'pass@2', 'avg@1', 'avg@2'):
       self.assertBetween(summary[key], 0.0, 1.0)
     self.assertBetween(summary['mean_action_tokens'], 1.0, 3 * 12)
 
   def test_cli_arith_checkpoint_and_errors(self):
     tmp = tempfile.mkdtemp()
-    cfg = get_model_config('tiny', num_layers=1)
+    cfg = get_model_config('tiny', num_layers=1, vocab_size=128, embed_dim=32, mlp_dim=64, head_dim=8)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     with checkpoint.Checkpointer(os.path.join(tmp, 'ckpt')) as ckpt:
       ckpt.save(checkpoint.CheckpointState(step=3, policy=nnx.state(model),
                                            metadata=checkpoint.policy_metadata(cfg)))
     out = os.path.join(tmp, 'res.jsonl')
     env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='')
-    cmd = [sys.executable, '-m', 'sao_jax.eval', '--config=configs/arith.py', '--limit=3', '--num_samples=2',
+    cmd = [sys.executable, '-m', 'sao_jax.eval', '--config=configs/arith.py', '--limit=2', '--num_samples=2',
            '--batch_size=4', f'--output={out}', '--config.sampler.max_new_tokens=8']
     proc = subprocess.run(cmd + [f'--checkpoint={tmp}/ckpt'], cwd=_ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
@@ -398,7 +408,7 @@ class EndToEndTest(absltest.TestCase):
     self.assertIn('greedy_accuracy', proc.stdout)
     with open(out) as f:
       rows = [json.loads(line) for line in f]
-    self.assertLen(rows, 3)
+    self.assertLen(rows, 2)
     self.assertTrue(all(r['num_samples'] == 2 and len(r['responses']) == 2 for r in rows))
     self.assertTrue(all(r['greedy_response'] is not None for r in rows))
 
