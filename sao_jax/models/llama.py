@@ -35,15 +35,15 @@ and continuation chunks (e.g. observation tokens appended in a multi-turn episod
   logits, cache = model(next_tok[B, 1], cache=cache)                       # decode one token per row
   logits, cache = model(obs[B, T1], attention_mask=m1, cache=cache)        # continuation chunk
 
-Each call writes the chunk's keys/values of row b into slots [end[b], end[b] + T) and attends over all
-cache slots with the mask `slot_pos[b, s] <= q_pos[b, t]`; empty slots and masked (padding) tokens carry
-`slot_pos = EMPTY_POS` (int32 max) and are never visible. Afterwards `end[b]` advances to one past the
-chunk's last unmasked token (so trailing padding is overwritten by the next call, leading padding is kept
-but invisible) and `next_pos[b]` to one past its largest position. Positions default to
-`next_pos[b] + cumsum(attention_mask[b]) - 1` (so left-padded prompts get positions 0.. on their real
-tokens); pass `positions` explicitly to override. A row whose chunk is entirely masked (e.g. a finished
-row during decode) does not advance. The caller must keep `end + T <= S` (writes past the end are clamped
-by XLA and would corrupt the last slots).
+Each call writes the chunk's keys/values into slots [end, end + T) of every row (`end` is one scalar shared
+by the rows, so the write is an in-place `dynamic_update_slice`, no scatter) and attends over all cache
+slots with the mask `slot_pos[b, s] <= q_pos[b, t]`: causal by position, and empty slots and masked
+(padding) tokens carry `slot_pos = EMPTY_POS` (int32 max) so they are never visible ("holes"). Afterwards
+`end += T` and `next_pos[b]` is one past the largest position of the row's unmasked tokens (unchanged for a
+row whose chunk is entirely masked, e.g. a finished row during decode). Positions default to
+`next_pos[b] + cumsum(attention_mask[b]) - 1`, so left- or right-padded prompts get positions 0.. on their
+real tokens; pass `positions` explicitly to override. Slot index and position differ in general (holes).
+The caller must keep `end + T <= S` (XLA clamps writes past the end, which would corrupt the last slots).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class KVCache:
     k: [L, B, S, K, H] keys (after RoPE), compute dtype.
     v: [L, B, S, K, H] values.
     pos: int32[B, S] position of the token held in each slot; `EMPTY_POS` for empty or masked slots.
-    end: int32[B] next slot to write in each row (one past the last unmasked token written).
+    end: int32[] next slot to write (shared by all rows).
     next_pos: int32[B] default position of the next token of each row (one past the largest written).
   """
   k: Array
@@ -109,7 +109,7 @@ class KVCache:
     return cls(
         k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
         pos=jnp.full((batch_size, max_len), EMPTY_POS, jnp.int32),
-        end=jnp.zeros((batch_size,), jnp.int32), next_pos=jnp.zeros((batch_size,), jnp.int32))
+        end=jnp.zeros((), jnp.int32), next_pos=jnp.zeros((batch_size,), jnp.int32))
 
   @property
   def batch_size(self) -> int:
@@ -118,13 +118,6 @@ class KVCache:
   @property
   def max_len(self) -> int:
     return self.k.shape[2]
-
-
-def _write_rows(buf: Array, update: Array, start: Array, *, axis: int) -> Array:
-  """buf[b, ..., start[b]:start[b]+T (on `axis`), ...] = update[b]; per-row offsets (batch axis 0)."""
-  def one(b, u, s):
-    return jax.lax.dynamic_update_slice_in_dim(b, u, s, axis=axis - 1)
-  return jax.vmap(one)(buf, update.astype(buf.dtype), start)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -199,7 +192,7 @@ class Attention(nnx.Module):
 
   def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
                kv: tuple[Array, Array, Array, Array] | None = None) -> tuple[Array, Any]:
-    """x [B, T, D]; mask bool [B, T, S]; kv = (k_cache [L,B,S,K,H], v_cache, layer index, write start [B]).
+    """x [B, T, D]; mask bool [B, T, S]; kv = (k_cache [L,B,S,K,H], v_cache, layer index, write slot []).
 
     Returns (out [B, T, D], (k_cache, v_cache) updated or None).
     """
@@ -218,11 +211,11 @@ class Attention(nnx.Module):
     new_kv = None
     if kv is not None:
       k_cache, v_cache, layer, start = kv
-      # Write this chunk into layer `layer`, rows at their own offsets: cache[layer, b, start[b] + t] = k[b, t].
-      write = jax.vmap(
-          lambda buf, u, s: jax.lax.dynamic_update_slice(buf, u[None], (layer, s, 0, 0)),
-          in_axes=(1, 0, 0), out_axes=1)
-      k_cache, v_cache = write(k_cache, k.astype(k_cache.dtype), start), write(v_cache, v.astype(v_cache.dtype), start)
+      # In-place write of this chunk: cache[layer, :, start + t] = k[:, t].
+      zero = jnp.zeros((), jnp.int32)
+      idx = (jnp.asarray(layer, jnp.int32), zero, start, zero, zero)
+      k_cache = jax.lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), idx)
+      v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), idx)
       new_kv = (k_cache, v_cache)
       k = jax.lax.dynamic_index_in_dim(k_cache, layer, axis=0, keepdims=False).astype(dt)
       v = jax.lax.dynamic_index_in_dim(v_cache, layer, axis=0, keepdims=False).astype(dt)
@@ -399,20 +392,17 @@ class Decoder(nnx.Module):
         raise ValueError(f'cache batch size {cache.batch_size} != tokens batch size {b}.')
       valid = jnp.ones((b, t), bool) if attention_mask is None else attention_mask
       chunk_pos = jnp.where(valid, positions, EMPTY_POS)
-      slot_pos = _write_rows(cache.pos, chunk_pos, cache.end, axis=1)
+      slot_pos = jax.lax.dynamic_update_slice(cache.pos, chunk_pos, (jnp.zeros((), jnp.int32), cache.end))
       mask = slot_pos[:, None, :] <= positions[:, :, None]  # [B, T, S]: causal + padding + empty slots.
       h, k_all, v_all = self._run_layers(h, cos, sin, mask, (cache.k, cache.v, cache.end))
-      idx = jnp.arange(1, t + 1, dtype=jnp.int32)
-      advance = jnp.max(jnp.where(valid, idx[None], 0), axis=-1)
       last_pos = jnp.max(jnp.where(valid, positions, -1), axis=-1)
-      new_cache = KVCache(k=k_all, v=v_all, pos=slot_pos, end=cache.end + advance,
-                          next_pos=jnp.where(advance > 0, jnp.maximum(cache.next_pos, last_pos + 1),
-                                             cache.next_pos))
+      new_cache = KVCache(k=k_all, v=v_all, pos=slot_pos, end=cache.end + t,
+                          next_pos=jnp.maximum(cache.next_pos, last_pos + 1))
     return self.final_norm(h), new_cache
 
   def _run_layers(self, h, cos, sin, mask, kv):
     """Applies the L stacked blocks (scan or unrolled) -> h, or (h, k_cache, v_cache) with
-    kv=(k_cache, v_cache, start) (each block writes its keys/values at slots start[b]...)."""
+    kv=(k_cache, v_cache, start) (each block writes its keys/values at slots start...)."""
     cfg = self.cfg
     graphdef, params = nnx.split(self.layers)
 

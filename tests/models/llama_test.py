@@ -50,7 +50,7 @@ class DecoderTest(parameterized.TestCase):
     l2, cache = _step(model, toks[:, 8:], None, cache)
     outs.append(l2)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=2e-5, rtol=1e-5)
-    np.testing.assert_array_equal(cache.end, [t] * b)
+    self.assertEqual(int(cache.end), t)
     np.testing.assert_array_equal(cache.next_pos, [t] * b)
 
   def test_ragged_prompts_left_and_right_padding_in_cache(self):
@@ -74,7 +74,7 @@ class DecoderTest(parameterized.TestCase):
       cache = model.init_cache(3, 16)
       logits, cache = _step(model, prompt, mask, cache)
       np.testing.assert_array_equal(cache.next_pos, lens)
-      np.testing.assert_array_equal(cache.end, [6, 6, 6] if side == 'left' else lens)
+      self.assertEqual(int(cache.end), 6)
       for i, n in enumerate(lens):
         got = logits[i, 6 - n:] if side == 'left' else logits[i, :n]
         np.testing.assert_allclose(got, refs[i][:n], atol=2e-5, rtol=1e-5, err_msg=side)
@@ -89,6 +89,7 @@ class DecoderTest(parameterized.TestCase):
           if bool(m[i, 0]):
             np.testing.assert_allclose(out[i, 0], refs[i][n + j], atol=2e-5, rtol=1e-5, err_msg=f'{side} {i} {j}')
       np.testing.assert_array_equal(cache.next_pos, [lens[0] + 3, lens[1] + 3, lens[2] + 2])
+      self.assertEqual(int(cache.end), 9)
 
   def test_right_padded_batch_equals_rows_alone(self):
     cfg = _tiny(num_kv_heads=1)
@@ -188,6 +189,8 @@ class LogprobsTest(parameterized.TestCase):
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
     from_logits = logprobs.token_logprobs_from_logits(_forward(model, toks, mask), toks, temperature=temperature)
     np.testing.assert_allclose(from_logits, ref, atol=1e-5, rtol=1e-5)
+    if tied:  # Gradients: checked once (untied, several chunks); compiling them dominates this test.
+      return
     w = jnp.where(mask, 1.0, 0.0).at[:, 0].set(0.0)
     g_ref = nnx.jit(nnx.grad(lambda m: jnp.sum(naive(m) * w)))(model)
     g_got = nnx.jit(nnx.grad(lambda m: jnp.sum(chunked(m) * w)))(model)
