@@ -114,45 +114,22 @@ def _linear_recurrence_associative(a: jax.Array, b: jax.Array, init: jax.Array) 
   return q + p * init[:, None]
 
 
-def _blocked_recurrence(a: jax.Array, b: jax.Array, init: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """x_t = a_t x_{t+1} + b_t on time-major blocks `[L, B, nb]` (time t = j L + l), x after the end = init[B].
-
-  Inside every block at once (a scan of only L steps over `[B, nb]` slabs) the chain is solved with a zero
-  right boundary, `x_t = xl_t + P_t x_right(j)` with `P_t` the product of the block's a's from t on; a scan
-  over the nb blocks gives each block's right boundary; one elementwise pass applies it.
-
-  Returns:
-    `(x [L, B, nb], x_right [B, nb])`, x_right(j) = x at the start of block j + 1 (init after the last).
-  """
-  def inner(carry, ab):
-    x, p = carry
-    a_t, b_t = ab
-    x, p = a_t * x + b_t, a_t * p
-    return (x, p), (x, p)
-
-  zeros = jnp.zeros(a.shape[1:], jnp.float32)
-  (x0, p0), (xl, pl) = lax.scan(inner, (zeros, jnp.ones_like(zeros)), (a, b), reverse=True)
-
-  def across(x, xp):
-    x0_j, p0_j = xp
-    x = x0_j + p0_j * x
-    return x, x
-
-  _, starts = lax.scan(across, init, (x0.T, p0.T), reverse=True)  # [nb, B]: x at each block's start.
-  right = jnp.concatenate([starts[1:], init[None]], axis=0).T  # [B, nb]
-  return xl + pl * right[None], right
-
-
 def _gae_blocked_tile(r, v, m, gamma, lam, next_v, next_a, block):
-  """Skip-observation GAE of one `[B, T]` tile given what follows it; the two chains by `_blocked_recurrence`.
+  """Skip-observation GAE of one `[B, T]` tile given what follows it, in one pass over short blocks.
 
   `next_v` / `next_a` `[B]` are the value and advantage of the first action token after the tile (bootstrap
-  and 0 after the last tile): the chains' values right after the tile. The tile is put once in a time-major
-  block layout `[L, B, nb]` (L = `block`), so each chain is a scan of L steps over wide slabs.
+  and 0 after the last tile). The tile is put once in a time-major block layout `[L, B, nb]` (L = `block`);
+  one scan of L steps solves every block at once as if nothing followed it, keeping how the result depends
+  on the two unknowns to its right, W (next action value) and U (next advantage), which enter linearly:
+    `w_t = wl_t + P1_t W`                       (P1_t = 1 iff no action token in [t, block end))
+    `delta_t = dl_t + gamma P1_{t+1} W`         (dl_t = r_t + gamma wl_{t+1} - V_t)
+    `u_t = ul_t + C_t W + P2_t U`               (ul, C: the advantage chain over dl and gamma P1_{t+1};
+                                                 P2_t = gl^(action tokens in [t, block end)))
+  A scan over the nb blocks (last first) then finds each block's W, U, and one elementwise pass applies them.
 
   Returns:
-    `(u, w_start, u_start)`: u `[B, T]` (the advantage at action tokens) and both chains at the tile's first
-    position (the `next_v`, `next_a` of the tile before).
+    `(adv, w_start, u_start)`: adv `[B, T]` (valid at action tokens) and the two chains at the tile's first
+    position (the `next_v`, `next_a` of the tile before it).
   """
   bsz, t = r.shape
   nb = -(-t // block)
@@ -163,14 +140,36 @@ def _gae_blocked_tile(r, v, m, gamma, lam, next_v, next_a, block):
   def time_major(x):  # [B, nb * L] -> [L, B, nb]
     return jnp.transpose(x.reshape(bsz, nb, block), (2, 0, 1))
 
-  rt, vt, mt = time_major(r), time_major(v), time_major(m)
-  w, w_right = _blocked_recurrence(jnp.where(mt, 0.0, 1.0), jnp.where(mt, vt, 0.0), next_v)
-  w_next = jnp.concatenate([w[1:], w_right[None]], axis=0)  # w_{t+1}: value at the next action token.
-  delta = rt + gamma * w_next - vt
-  gl = (gamma * lam)[:, None]
-  u, _ = _blocked_recurrence(jnp.where(mt, gl, 1.0), jnp.where(mt, delta, 0.0), next_a)
-  adv = jnp.transpose(u, (1, 2, 0)).reshape(bsz, nb * block)[:, :t]
-  return adv, w[0, :, 0], u[0, :, 0]
+  gl = (gamma * lam)[:, None]  # [B, 1] against [B, nb] slabs.
+
+  def inner(carry, x):  # Carries hold the local chains at t + 1.
+    wl, p1, ul, c, p2 = carry
+    r_t, v_t, m_t = x
+    a_t = jnp.where(m_t, gl, 1.0)
+    ul = a_t * ul + jnp.where(m_t, r_t + gamma * wl - v_t, 0.0)
+    c = a_t * c + jnp.where(m_t, gamma * p1, 0.0)
+    p2 = a_t * p2
+    wl = jnp.where(m_t, v_t, wl)
+    p1 = jnp.where(m_t, 0.0, p1)
+    return (wl, p1, ul, c, p2), (ul, c, p2)
+
+  zeros = jnp.zeros((bsz, nb), jnp.float32)
+  ones = jnp.ones_like(zeros)
+  (wl0, p10, ul0, c0, p20), (ul, c, p2) = lax.scan(
+      inner, (zeros, ones, zeros, zeros, ones), (time_major(r), time_major(v), time_major(m)), reverse=True)
+
+  def across(carry, x):  # Carries: W, U at the start of block j + 1; emits them as block j's right side.
+    w_right, u_right = carry
+    wl0_j, p10_j, ul0_j, c0_j, p20_j = x
+    w_start = wl0_j + p10_j * w_right
+    u_start = ul0_j + c0_j * w_right + p20_j * u_right
+    return (w_start, u_start), (w_right, u_right)
+
+  (w_start, u_start), (w_right, u_right) = lax.scan(
+      across, (next_v, next_a), tuple(x.T for x in (wl0, p10, ul0, c0, p20)), reverse=True)
+  adv = ul + c * w_right.T[None] + p2 * u_right.T[None]  # [L, B, nb]
+  adv = jnp.transpose(adv, (1, 2, 0)).reshape(bsz, nb * block)[:, :t]
+  return adv, w_start, u_start
 
 
 def _gae_blocked(r, v, m, gamma, lam, boot, block, tile):
