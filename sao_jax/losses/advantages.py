@@ -210,11 +210,13 @@ def _gae_via_recurrences(r, v, m, gamma, lam, boot, recurrence):
 def default_gae_impl(backend: str | None = None) -> str:
   """The `impl` that 'auto' resolves to on `backend` (default: jax's default backend).
 
-  From `python -m sao_jax.benchmarks.gae` (B=64, T=32768, 30% observations, float32). On CPU (2-core Xeon,
-  jax 0.10.2, shared and loaded; see the benchmark for the table) 'blocked' took ~28 ms at best against
-  ~52 ms for 'scan' and ~320 ms for 'associative': XLA:CPU pays per while-loop iteration and for layout
-  changes of large arrays, which 'blocked' keeps to L-step loops on cache-sized tiles, while the log-depth
-  scan moves the whole array ~2 log2(T) times. On GPU / TPU the associative scan is the parallel one.
+  From `python -m sao_jax.benchmarks.gae` (B=64, T=32768, 30% observations, float32) on a shared 2-core Xeon
+  (jax 0.10.2, load average 7-11 from other jobs): 'blocked' 28-33 ms of CPU time per call against 28-42 ms
+  for 'scan' and 110-135 ms for 'associative' (the memory floor: 2.4-3.5 ms), and in wall time under that
+  load 30-100 ms against 60-150 ms for 'scan' (its 32768 loop iterations suffer most from preemption).
+  XLA:CPU pays per while-loop iteration and for layout changes of large arrays; 'blocked' keeps both small,
+  while the log-depth scan moves the whole array ~2 log2(T) times. On GPU / TPU the associative scan is the
+  parallel one (not measured here: no accelerator was available).
   """
   backend = backend or jax.default_backend()
   return 'blocked' if backend == 'cpu' else 'associative'
