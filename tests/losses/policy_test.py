@@ -4,7 +4,6 @@ import functools
 import itertools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 from absl.testing import parameterized
