@@ -7,8 +7,8 @@ spans between turns, the reward on the last action token), the median wall time 
   - the host numpy loop (`skip_observation_gae_numpy`, fewer repeats);
   - a memory-bound floor: one jitted elementwise pass that reads the same three `[B, T]` inputs and writes two
     `[B, T]` float32 outputs, the least any implementation must move;
-and prints a table (median and min) with each time's ratio to the floor and which impl 'auto' resolves to
-on this backend. Every implementation's advantages are checked against the numpy loop (max|err|).
+and prints a table (median and min wall time, CPU time) with each one's ratio to the floor and which impl
+'auto' resolves to on this backend. Every implementation's advantages are checked against the numpy loop (max|err|).
 """
 
 from __future__ import annotations
@@ -63,14 +63,19 @@ def make_batch(batch: int, length: int, obs_fraction: float, turns: int, seed: i
   return rewards, values, mask
 
 
-def _timings(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
-  """(median, min) wall seconds of `repeats` calls; the min shows the figure without other load."""
-  times = []
+def _timings(fn: Callable[[], object], repeats: int) -> tuple[float, float, float]:
+  """(median wall, min wall, median process CPU) seconds of `repeats` calls.
+
+  On a shared machine the min wall time and the CPU time (all threads of this process) are the figures least
+  disturbed by other jobs.
+  """
+  wall, cpu = [], []
   for _ in range(max(repeats, 1)):
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), min(times)
+    wall.append(time.perf_counter() - start)
+    cpu.append(time.process_time() - start_cpu)
+  return statistics.median(wall), min(wall), statistics.median(cpu)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -113,13 +118,14 @@ def main(argv: Sequence[str]) -> None:
 
   default = advantages.default_gae_impl()
   print(f'\n{"implementation":34s} {"median ms":>10s} {"x floor":>8s} {"min ms":>8s} {"x floor":>8s} '
-        f'{"compile s":>10s} {"max|err|":>9s}')
-  for name, (med, best), compile_s, err in rows:
+        f'{"cpu ms":>8s} {"x floor":>8s} {"compile s":>10s} {"max|err|":>9s}')
+  for name, (med, best, cpu), compile_s, err in rows:
     tag = '  <- default (impl="auto")' if name == default else ''
     print(f'{name:34s} {med * 1e3:10.2f} {med / floor_s[0]:8.2f} {best * 1e3:8.2f} {best / floor_s[1]:8.2f} '
-          f'{compile_s:10.2f} {err:9.1e}{tag}')
-  print(f'\nrepeats: {_REPEATS.value} (jax), {_NUMPY_REPEATS.value} (numpy); wall time after one warm-up call, '
-        'compile excluded; ratios are median / median floor and min / min floor.')
+          f'{cpu * 1e3:8.2f} {cpu / floor_s[2]:8.2f} {compile_s:10.2f} {err:9.1e}{tag}')
+  print(f'\nrepeats: {_REPEATS.value} (jax), {_NUMPY_REPEATS.value} (numpy), after one warm-up call, compile '
+        'excluded. median / min: wall time; cpu: median process CPU time (all threads); each ratio is to the '
+        "floor's figure of the same kind.")
 
 
 if __name__ == '__main__':
