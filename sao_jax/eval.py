@@ -475,7 +475,10 @@ def evaluate(model, tokenizer: base.Tokenizer, task, config, *, num_samples: int
 
 
 def write_outputs(output: str, run: EvalRun) -> None:
-  """Per-problem JSONL at `output`, the summary at `<output>.summary.json`."""
+  """Per-problem JSONL at `output`, the summary at `<output>.summary.json` (process 0 only)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_index() != 0:
+    return
   n = evaluation.write_jsonl(output, run.results)
   with open(f'{output}.summary.json', 'w', encoding='utf-8') as f:
     json.dump(run.summary, f, indent=1, sort_keys=True)
@@ -509,6 +512,9 @@ def load_model_and_tokenizer(config, *, checkpoint: str | None, hf_model: str | 
                      '--hf_model=DIR (an HF model directory with config.json and *.safetensors).')
   if checkpoint:
     from sao_jax import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+    nested = os.path.join(checkpoint, 'checkpoints')
+    if os.path.isdir(nested) and not any(d.isdigit() for d in os.listdir(checkpoint)):
+      checkpoint = nested  # A trainer workdir was given: its checkpoints live in <workdir>/checkpoints.
     model, cfg = checkpoint_lib.load_policy(checkpoint, step, dtype=config.model.dtype)
     tokenizer = tokenizers.get_tokenizer(config)
   else:

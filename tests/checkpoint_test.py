@@ -21,8 +21,6 @@ from sao_jax.models.llama import Decoder
 _CFG = get_model_config('tiny', num_layers=1, embed_dim=32, mlp_dim=64, vocab_size=128, head_dim=8)
 
 
-def _model(seed: int = 0) -> Decoder:
-  return Decoder(_CFG, rngs=nnx.Rngs(seed))
 
 
 def _leaves_equal(a, b) -> bool:
@@ -32,17 +30,34 @@ def _leaves_equal(a, b) -> bool:
       for x, y in zip(la, lb))
 
 
+_TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+
+
+@jax.jit
+def _arrays(seed):
+  """(policy state, AdamW state after one update) of a model initialised from `seed` (jitted: fast)."""
+  model = Decoder(_CFG, rngs=nnx.Rngs(jax.random.key(seed)))
+  params = nnx.state(model, nnx.Param)
+  opt = _TX.init(params)
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.25), params)
+  _, opt = _TX.update(grads, opt, params)
+  return nnx.state(model), opt
+
+
+_GRAPHDEF = nnx.graphdef(nnx.eval_shape(lambda: Decoder(_CFG, rngs=nnx.Rngs(0))))
+
+
+def _model(seed: int = 0) -> Decoder:
+  """A Decoder initialised from `seed` (built under jit: eager init is slow)."""
+  return nnx.merge(_GRAPHDEF, _arrays(jnp.asarray(seed, jnp.int32))[0])
+
+
 def _state(step: int, seed: int = 0):
   """A checkpoint state with an optax AdamW state after one update, an iterator state, a model config."""
-  model = _model(seed)
-  params = nnx.state(model, nnx.Param)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
-  opt = tx.init(params)
-  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.25), params)
-  _, opt = tx.update(grads, opt, params)
+  policy, opt = _arrays(jnp.asarray(seed, jnp.int32))
   counters = {'step': jnp.asarray(step, jnp.int32), 'skipped': jnp.asarray(1, jnp.int32)}
   return checkpoint.CheckpointState(
-      step=step, policy=nnx.state(model), optimizer={'policy': opt, 'counters': counters},
+      step=step, policy=policy, optimizer={'policy': opt, 'counters': counters},
       data={'kind': 'generated', 'seed': 3, 'index': 17 + step},
       metadata=checkpoint.policy_metadata(_CFG, note='test'))
 
@@ -145,15 +160,22 @@ class CheckpointTest(absltest.TestCase):
     self.assertGreater(sharded, 0)  # The embedding and projections really are split over devices.
 
   def test_load_policy(self):
-    model = _model(11)
+    model, older = _model(11), _model(12)
     with checkpoint.Checkpointer(self.dir) as ckpt:
-      ckpt.save(checkpoint.CheckpointState(step=9, policy=nnx.state(model),
-                                           metadata=checkpoint.policy_metadata(_CFG)))
+      for step, m in ((4, older), (9, model)):
+        ckpt.save(checkpoint.CheckpointState(step=step, policy=nnx.state(m),
+                                             metadata=checkpoint.policy_metadata(_CFG)))
     loaded, cfg = checkpoint.load_policy(self.dir)
     self.assertEqual(cfg, _CFG)
     self.assertTrue(_leaves_equal(nnx.state(loaded), nnx.state(model)))
+    loaded_old, _ = checkpoint.load_policy(self.dir, step=4)
+    self.assertTrue(_leaves_equal(nnx.state(loaded_old), nnx.state(older)))
+    bf16, cfg16 = checkpoint.load_policy(self.dir, dtype='bfloat16')
+    self.assertEqual(cfg16.dtype, 'bfloat16')
+    self.assertTrue(_leaves_equal(nnx.state(bf16), nnx.state(model)))  # Params stay float32.
     tokens = jnp.asarray([[3, 4, 5, 6]], jnp.int32)
-    np.testing.assert_array_equal(np.asarray(loaded(tokens)), np.asarray(model(tokens)))
+    forward = nnx.jit(lambda m, t: m(t))
+    np.testing.assert_array_equal(np.asarray(forward(loaded, tokens)), np.asarray(forward(model, tokens)))
     with self.assertRaisesRegex(FileNotFoundError, 'does not exist'):
       checkpoint.load_policy(os.path.join(self.dir, 'nope'))
 

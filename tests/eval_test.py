@@ -394,14 +394,14 @@ class EndToEndTest(absltest.TestCase):
     tmp = tempfile.mkdtemp()
     cfg = get_model_config('tiny', num_layers=1, vocab_size=128, embed_dim=32, mlp_dim=64, head_dim=8)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    with checkpoint.Checkpointer(os.path.join(tmp, 'ckpt')) as ckpt:
+    with checkpoint.Checkpointer(os.path.join(tmp, 'checkpoints')) as ckpt:  # A trainer's workdir layout.
       ckpt.save(checkpoint.CheckpointState(step=3, policy=nnx.state(model),
                                            metadata=checkpoint.policy_metadata(cfg)))
     out = os.path.join(tmp, 'res.jsonl')
     env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='')
     cmd = [sys.executable, '-m', 'sao_jax.eval', '--config=configs/arith.py', '--limit=2', '--num_samples=2',
            '--batch_size=4', f'--output={out}', '--config.sampler.max_new_tokens=8']
-    proc = subprocess.run(cmd + [f'--checkpoint={tmp}/ckpt'], cwd=_ROOT, env=env, capture_output=True,
+    proc = subprocess.run(cmd + [f'--checkpoint={tmp}'], cwd=_ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
     self.assertIn('pass@2', proc.stdout)
