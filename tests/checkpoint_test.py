@@ -89,6 +89,19 @@ class CheckpointTest(absltest.TestCase):
     self.assertIsNone(got.critic)
     self.assertEqual(checkpoint.model_config_from_json(got.metadata['model_config']), _CFG)
 
+  def test_async_save_survives_deleting_the_arrays(self):
+    """After `save` returns, the caller may donate its buffers (the learner does) while the write goes on."""
+    state = _state(2)
+    host = jax.tree.map(np.asarray, state.policy)
+    with checkpoint.Checkpointer(self.dir, async_save=True) as ckpt:
+      ckpt.save(state)
+      for leaf in jax.tree.leaves(state.policy):
+        leaf.delete()
+      ckpt.wait()
+      target = checkpoint.CheckpointState(step=0, policy=checkpoint.abstract_target(host))
+      got = ckpt.restore(target=target, items=('policy',))
+    self.assertTrue(_leaves_equal(got.policy, host))
+
   def test_restore_without_target_gives_raw_arrays(self):
     state = _state(1)
     with checkpoint.Checkpointer(self.dir, async_save=False) as ckpt:
