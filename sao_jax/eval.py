@@ -236,7 +236,7 @@ def run_episodes(backend: Backend, tokenizer: base.Tokenizer, envs: Sequence[bas
     raise ValueError(f'run_episodes: {len(seeds)} seeds for {len(envs)} envs.')
   if not envs:
     return []
-  need = set(base.stop_ids_for(envs[0], tokenizer))
+  need = set().union(*(base.stop_ids_for(env, tokenizer) for env in envs))
   if not need <= set(backend.stop_ids):
     raise ValueError(f'The backend does not stop on token(s) {sorted(need - set(backend.stop_ids))} that the '
                      f'{type(envs[0]).__name__} episodes need.')

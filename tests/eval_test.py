@@ -255,6 +255,18 @@ class BatchedDriverTest(parameterized.TestCase):
     self.assertEqual(got[3].info['cut_by'], 'max_new_tokens')
 
 
+  def test_backend_must_stop_on_the_env_stop_texts(self):
+    config = calculator_config.get_config()
+    config.task.eval_size = 2
+    task = registry.get_task(config.task)
+    tok = CharTokenizer()
+    backend = eval_lib.ContextBackend(lambda c, n, s: ([tok.eos_id], [0.0]), tok.stop_ids)  # No '</calc>'.
+    envs = [task.make_env(ex) for ex in task.eval_set()]
+    with self.assertRaisesRegex(ValueError, r'does not stop on token\(s\) \[%d\]' % tok.token_to_id('</calc>')):
+      eval_lib.run_episodes(backend, tok, envs, limits=base.EpisodeLimits.from_config(config),
+                            decoding=eval_lib.Decoding(0.0), seeds=[0, 1])
+
+
 def _small_model(vocab_size: int, seed: int) -> Decoder:
   cfg = get_model_config('tiny', vocab_size=vocab_size, num_layers=1, embed_dim=32, mlp_dim=64, head_dim=8,
                          eos_ids=(1,))
