@@ -86,8 +86,11 @@ class SamplerBackend:
     model: the policy `Decoder` (ignored when `sampler` is given, except to refresh its weights).
     stop_ids: tokens ending a turn (the tokenizer's end-of-turn ids plus the env's stop texts).
     pad_id: the tokenizer's pad id.
-    max_total_len: cache length for whole episodes (`config.sampler.max_seq_len`): no cache growth.
+    max_total_len: cache preallocated for whole episodes (`config.sampler.max_seq_len`), so that
+      continuations rarely need to grow it.
     prompt_buckets: `config.sampler.prompt_buckets`.
+    min_rows: every call runs at least this many rows (idle rows fill a partial batch), so the last batch
+      of a run reuses the programs compiled for full ones.
     sampler: an existing `Sampler` to reuse across evals (keeps its compiled programs); its stop ids must
       include `stop_ids`.
   """
@@ -336,8 +339,9 @@ def make_backend(model, tokenizer: base.Tokenizer, task, config, *, sampler=None
   if cfg is not None and vocab is not None and vocab > cfg.vocab_size:
     raise ValueError(f'The tokenizer has {vocab} tokens but the model only {cfg.vocab_size} embeddings '
                      '(wrong tokenizer for this model? see config.model.tokenizer).')
-  probe = task.make_env(task.eval_set()[0]) if task.eval_set() else None
-  stop_ids = base.stop_ids_for(probe, tokenizer) if probe is not None else tuple(tokenizer.stop_ids)
+  examples = task.eval_set()
+  stop_ids = (base.stop_ids_for(task.make_env(examples[0]), tokenizer) if examples
+              else tuple(tokenizer.stop_ids))
   return SamplerBackend(model, stop_ids=stop_ids, pad_id=tokenizer.pad_id,
                         max_total_len=int(config.sampler.max_seq_len),
                         prompt_buckets=tuple(config.sampler.prompt_buckets),
