@@ -22,6 +22,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from flax import nnx
@@ -55,6 +56,20 @@ def synthetic_batch(rows: int, seq: int, prompt: int, vocab: int, group: int, se
                row_mask=np.ones(rows, np.float32), policy_version=np.zeros(rows, np.int32))
 
 
+def matmul_peak(sizes=(2048, 4096), reps: int = 3) -> float:
+  """Best float32 FLOP/s of a jitted `jnp.dot` on n x n matrices (2 n^3 FLOPs), this run, this machine."""
+  best = 0.0
+  for n in sizes:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(jnp.dot)
+    f(a, a).block_until_ready()
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      f(a, a).block_until_ready()
+      best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+  return best
+
+
 def _config(algo: str, rows: int, group: int, devices: int):
   c = base.get_config()
   c.algo.name = algo
@@ -81,7 +96,9 @@ def time_program(config, policy, batch, steps: int, devices) -> tuple[float, flo
     metrics = learner.update(batch)
     times.append(metrics['perf/step_time_s'])
   del learner
-  return first, statistics.median(times), metrics
+  med = statistics.median(times)
+  print(f'  {config.algo.name}: compile+first {first:.1f} s, median step {med:.3f} s', flush=True)
+  return first, med, metrics
 
 
 def main(argv):
@@ -114,10 +131,7 @@ def main(argv):
       1: fpt_critic * (2 + 2 / 3),
       2: fpt,
   }
-  peak = None
-  if _PEAK.value:
-    from sao_jax.benchmarks.train_step import matmul_peak  # pylint: disable=g-import-not-at-top
-    peak = matmul_peak()[0]
+  peak = matmul_peak() if _PEAK.value else None
   print(f'\n{"program":<74} {"compile+1st s":>13} {"step s":>8} {"tokens/s":>9} {"GFLOP/s":>8} {"MFU":>6}')
   medians = []
   for i, (name, (first, med, _)) in enumerate(runs.items()):

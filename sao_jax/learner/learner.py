@@ -92,6 +92,8 @@ class Learner:
     self.config = config
     self.step_config = cfg = algo_lib.StepConfig.from_config(config)
     self.mesh = mesh if mesh is not None else parallel.make_mesh(config.mesh)
+    if model_config is None and isinstance(policy, nnx.Module):
+      model_config = getattr(policy, 'cfg', None)
     parallel.check_layout(config, self.mesh, model_config)
     rules = config.mesh.rules
     o = config.optim
@@ -143,6 +145,8 @@ class Learner:
     dtypes = dict(tokens=np.int32, action_mask=np.float32, behavior_logprobs=np.float32, rewards=np.float32,
                   truncated=bool, group_ids=np.int32, row_mask=np.float32, policy_version=np.int32)
     local = Batch(**{k: np.asarray(getattr(batch, k), dtypes[k]) for k in dtypes})
+    parallel.sharding.check_batch_rows(local.tokens.shape[0] * jax.process_count(), self.mesh,
+                                       'batch rows (config.trainer.batch_size)')
     if not self.step_config.uses_critic:
       check_groups(local.group_ids, local.row_mask, self.step_config.group_size)
     if jax.process_count() == 1:
@@ -174,7 +178,7 @@ class Learner:
     out['perf/tokens_per_s'] = b * t / dt
     out['perf/action_tokens_per_s'] = out['batch/action_tokens'] / dt
     skipped = out.get('policy/skipped', 0.0) + out.get('critic/skipped', 0.0)
-    if skipped:
+    if skipped and parallel.is_main_process():
       logging.warning('learner step %d: %d update(s) skipped for a non-finite loss or gradient '
                       '(consecutive: %s).', self.step, int(skipped), {k: int(v) for k, v in counters.items()})
     worst = max(int(v) for v in counters.values())
@@ -199,6 +203,11 @@ class Learner:
     if self.critic_spec is None:
       return None
     return state_lib.merge(self.critic_spec, self.state.critic)
+
+  def abstract_state(self) -> steps_lib.LearnerState:
+    """`jax.ShapeDtypeStruct`s (with shardings) of the learner state: the restore target of a checkpoint."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
+                        self.state_shardings)
 
   def policy_state(self) -> nnx.State:
     """All of the policy's state (params and the rest) for publishing to the sampler."""
