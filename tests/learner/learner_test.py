@@ -253,6 +253,57 @@ class GroupAdvantagesTest(parameterized.TestCase):
     self.assertGreater(adv[6], 0.0)
 
 
+class StepPartsTest(absltest.TestCase):
+  """Pieces of the step, without compiling a whole update."""
+
+  def test_critic_values_alignment(self):
+    from sao_jax.learner import steps  # pylint: disable=g-import-not-at-top
+    critic = value_lib.ValueModel.from_policy(_policy())
+    critic.head.kernel.value = jnp.linspace(-1.0, 1.0, H.MODEL.embed_dim)  # A non-zero head.
+    tokens = jnp.asarray(H.batch(0).tokens)
+    values, next_values = steps.critic_values(critic, tokens)
+    np.testing.assert_allclose(values, critic(tokens), atol=1e-6)
+    np.testing.assert_allclose(values[:, 1:], next_values[:, :-1], atol=1e-6)
+    self.assertTrue(np.all(np.asarray(values[:, 0]) == 0.0))
+
+  def test_interleaved_minibatches_cover_the_batch(self):
+    from sao_jax.learner import steps  # pylint: disable=g-import-not-at-top
+    x = jnp.arange(8 * 3).reshape(8, 3)
+    parts = [np.asarray(steps.take_minibatch(x, jnp.int32(i), 2, None)) for i in range(2)]
+    np.testing.assert_array_equal(parts[0][:, 0], [0, 6, 12, 18])  # Rows 0, 2, 4, 6.
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts).ravel()), np.arange(24))
+    self.assertEqual(steps.num_minibatches(8, 0), 1)
+    with self.assertRaisesRegex(ValueError, 'minibatch_size=3'):
+      steps.num_minibatches(8, 3)
+
+  def test_guarded_apply(self):
+    from sao_jax.learner import steps  # pylint: disable=g-import-not-at-top
+    tx = optim_lib.make_optimizer(H.config().optim, 0.1)
+    params = {'w': jnp.ones(3)}
+    ts = state_lib.TrainState(params, {}, tx.init(params), jnp.int32(0), jnp.int32(0), jnp.int32(0))
+    spec = state_lib.ModelSpec(None, tx, None)
+    ts1, m1 = steps.guarded_apply(spec, ts, {'w': jnp.array([1.0, jnp.nan, 0.0])}, jnp.float32(1.0))
+    np.testing.assert_array_equal(ts1.params['w'], params['w'])
+    self.assertEqual((int(ts1.step), int(ts1.skipped), int(ts1.consecutive_skips)), (0, 1, 1))
+    self.assertEqual(float(m1['skipped']), 1.0)
+    ts2, _ = steps.guarded_apply(spec, ts1, {'w': jnp.ones(3)}, jnp.float32(jnp.inf))
+    self.assertEqual(int(ts2.consecutive_skips), 2)
+    ts3, m3 = steps.guarded_apply(spec, ts2, {'w': jnp.ones(3)}, jnp.float32(1.0))
+    self.assertEqual((int(ts3.step), int(ts3.skipped), int(ts3.consecutive_skips)), (1, 2, 0))
+    self.assertTrue(np.all(np.asarray(ts3.params['w']) < 1.0))
+    self.assertAlmostEqual(float(m3['grad_norm']), np.sqrt(3.0), places=5)
+
+  def test_schedule(self):
+    c = H.config()
+    c.optim.warmup_steps, c.optim.schedule, c.optim.total_steps, c.optim.end_lr_factor = 4, 'cosine', 14, 0.1
+    lr = optim_lib.make_schedule(c.optim, 1.0)
+    np.testing.assert_allclose([lr(0), lr(2), lr(4), lr(9), lr(14), lr(100)], [0, 0.5, 1, 0.55, 0.1, 0.1],
+                               atol=1e-6)
+    c.optim.total_steps = 4
+    with self.assertRaisesRegex(ConfigError, 'config.optim.total_steps=4'):
+      optim_lib.make_schedule(c.optim, 1.0)
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
