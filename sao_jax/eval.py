@@ -116,6 +116,10 @@ class SamplerBackend:
     self.max_total_len = int(max_total_len)
     self.min_rows = int(min_rows)
 
+  def update_weights(self, model) -> None:
+    """Uses `model`'s current weights from now on (same config; compiled programs are kept)."""
+    self.sampler.update_weights(model)
+
   def _params(self, decoding: Decoding):
     return self._lib.SamplingParams(temperature=float(decoding.temperature), top_p=float(decoding.top_p),
                                     top_k=int(decoding.top_k))
@@ -460,8 +464,10 @@ def evaluate(model, tokenizer: base.Tokenizer, task, config, *, num_samples: int
     num_samples: k sampled episodes per problem (avg@k, pass@k); 0 = greedy only.
     greedy: play the greedy episode (greedy_accuracy).
     output: write per-problem results to this JSONL path (and the summary to `<output>.summary.json`).
-    sampler: a `Sampler` to reuse across periodic evals (its weights are refreshed from `model`).
-    backend: a ready `Backend` (tests, stubs); default: the KV-cache sampler over `model`.
+    sampler: a `Sampler` to reuse (its weights are refreshed from `model`).
+    backend: a ready `Backend`; default: a new KV-cache sampler over `model` (which compiles its programs).
+      For periodic evals build `backend = make_backend(model, tokenizer, task, config)` once and pass it with
+      the current model each time: its weights are refreshed from `model` and its compiled programs reused.
     **kwargs: `run_eval` options (temperature, top_p, top_k, limit, batch_size, seed, ks, progress, ...).
 
   Returns:
@@ -472,6 +478,8 @@ def evaluate(model, tokenizer: base.Tokenizer, task, config, *, num_samples: int
     if model is None:
       raise ValueError('evaluate needs a model (or a backend).')
     backend = make_backend(model, tokenizer, task, config, sampler=sampler, batch_size=kwargs.get('batch_size'))
+  elif model is not None and hasattr(backend, 'update_weights'):
+    backend.update_weights(model)
   run = run_eval(backend, tokenizer, task, config, num_samples=num_samples, greedy=greedy, **kwargs)
   if output:
     write_outputs(output, run)

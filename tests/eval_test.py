@@ -334,8 +334,7 @@ class EchoTask:
 class SamplerBackendTest(parameterized.TestCase):
   """The KV-cache adapter: multi-turn episodes continued from the cache == plain-forward greedy reference."""
 
-  @parameterized.parameters('inline', 'message')
-  def test_multi_turn_greedy_matches_plain_forward(self, mode):
+  def test_multi_turn_greedy_matches_plain_forward(self):
     tok = CharTokenizer()
     model = _small_model(tok.vocab_size, seed=3)
     # Nearly every character ends a turn, so episodes really go through several continuations.
@@ -343,21 +342,24 @@ class SamplerBackendTest(parameterized.TestCase):
     config = arith_config.get_config()
     config.sampler.max_new_tokens = 6
     config.sampler.max_seq_len = 128
-    task = EchoTask([base.Example(uid=str(i), prompt=p, answer='0') for i, p in
-                     enumerate(['12+7=?', 'What is 3*45?', 'x', '99-100', 'hello there'])], mode, stop_texts, 3)
-    envs = [task.make_env(ex) for ex in task.eval_set()]
-    backend = eval_lib.make_backend(model, tok, task, config)
+    examples = [base.Example(uid=str(i), prompt=p, answer='0') for i, p in
+                enumerate(['12+7=?', 'What is 3*45?', 'x', '99-100', 'hello there'])]
     limits = base.EpisodeLimits(max_turns=3, max_new_tokens=6, max_seq_len=128)
-    got = eval_lib.run_episodes(backend, tok, envs, limits=limits, decoding=eval_lib.Decoding(0.0),
-                                seeds=[0] * len(envs))
     ref = PlainGreedy(model, 128)
-    want = [base.run_episode(task.make_env(ex), tok, ref, limits=limits) for ex in task.eval_set()]
-    for g, w in zip(got, want):
-      np.testing.assert_array_equal(g.tokens, w.tokens)
-      np.testing.assert_array_equal(g.action_mask, w.action_mask)
-      np.testing.assert_allclose(g.behavior_logprobs, w.behavior_logprobs, atol=2e-4)
-      self.assertEqual(g.info, w.info)
-    self.assertGreaterEqual(sum(t.info['num_turns'] >= 2 for t in got), 2, [t.info for t in got])
+    backend = eval_lib.make_backend(model, tok, EchoTask(examples, 'inline', stop_texts, 3), config)
+    for mode in ('inline', 'message'):  # One backend: same stop ids, programs compiled once.
+      with self.subTest(mode):
+        task = EchoTask(examples, mode, stop_texts, 3)
+        envs = [task.make_env(ex) for ex in examples]
+        got = eval_lib.run_episodes(backend, tok, envs, limits=limits, decoding=eval_lib.Decoding(0.0),
+                                    seeds=[0] * len(envs))
+        want = [base.run_episode(task.make_env(ex), tok, ref, limits=limits) for ex in examples]
+        for g, w in zip(got, want):
+          np.testing.assert_array_equal(g.tokens, w.tokens)
+          np.testing.assert_array_equal(g.action_mask, w.action_mask)
+          np.testing.assert_allclose(g.behavior_logprobs, w.behavior_logprobs, atol=2e-4)
+          self.assertEqual(g.info, w.info)
+        self.assertGreaterEqual(sum(t.info['num_turns'] >= 2 for t in got), 2, [t.info for t in got])
 
   def test_reused_sampler_must_stop_on_task_tokens(self):
     from sao_jax.models import sampler as sampler_lib  # pylint: disable=g-import-not-at-top
@@ -398,6 +400,14 @@ class EndToEndTest(absltest.TestCase):
     self.assertEqual(summary['num_episodes'], 9)
     # Batches of 3 (greedy), 4 and 2 (samples) all run as 4 rows (one program per decoding mode).
     self.assertEqual(rows, [4, 4, 4])
+    # Periodic eval: the same backend with another model's weights compiles nothing new.
+    compiled = backend.sampler.num_compiled()
+    other = _small_model(tok.vocab_size, seed=7)
+    out = os.path.join(tempfile.mkdtemp(), 'again.jsonl')
+    eval_lib.evaluate(other, tok, task, config, backend=backend, batch_size=4, progress=False, output=out)
+    self.assertEqual(backend.sampler.num_compiled(), compiled)
+    again = [r.greedy_response for r in evaluation.read_jsonl(out)]
+    self.assertNotEqual(again, [r.greedy_response for r in run.results])  # The new weights were used.
     for key in ('greedy_accuracy', 'pass@1', 'pass@2', 'avg@1', 'avg@2'):
       self.assertBetween(summary[key], 0.0, 1.0)
     self.assertBetween(summary['mean_action_tokens'], 1.0, 3 * 12)
