@@ -1,6 +1,14 @@
-"""Llama-family decoder, value model, log-prob helpers and HF weight io (Flax NNX)."""
+"""Llama-family decoder, value model, log-prob helpers and HF weight io (Flax NNX).
 
-from sao_jax.models.config import ModelConfig, get_model_config, MODEL_NAMES
+- `config`: `ModelConfig`, `get_model_config(name, **overrides)` (tiny, bench-25m, smollm2-135m, qwen2.5-0.5b,
+  qwen3-0.6b, llama3.2-1b), HF config.json conversion.
+- `llama`: `Decoder(cfg, rngs=...)` -> logits / hidden states; `KVCache` for prefill, decode and continuation.
+- `logprobs`: `token_logprobs(model, tokens, ...)` (DESIGN alignment, chunked over positions).
+- `value`: `ValueModel` (backbone + zero scalar head), `ValueModel.from_policy`, `CRITIC_ATTENTION`.
+- `hf_io`: `load_hf(dir, dtype=, mesh=, rules=)`, `save_hf(model, cfg, dir, tokenizer_dir=)`.
+"""
+
+from sao_jax.models.config import MODEL_NAMES, ModelConfig, get_model_config
 from sao_jax.models.llama import Decoder, KVCache
 from sao_jax.models.logprobs import token_logprobs, token_logprobs_from_logits
 from sao_jax.models.value import CRITIC_ATTENTION, ValueModel

@@ -220,7 +220,7 @@ def hf_state_dict(model: Decoder, cfg: ModelConfig | None = None) -> dict[str, n
   cfg = cfg or model.cfg
   mapping = _param_map(cfg)
   out = {}
-  for path, var in nnx.state(model, nnx.Param).flat_state():
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     key = _var_path(path)
     if key not in mapping:
       raise ValueError(f'Parameter {"/".join(key)} has no HF name.')

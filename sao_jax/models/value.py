@@ -68,7 +68,7 @@ class ValueModel(nnx.Module):
     abstract = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     src = nnx.state(policy)
-    src_flat = dict(src.flat_state())
+    src_flat = dict(nnx.to_flat_state(src))
 
     def fill(path, var):
       keys = tuple(getattr(k, 'key', k) for k in path)

@@ -137,7 +137,8 @@ class HFReferenceTest(parameterized.TestCase):
     self.assertEqual(sharded.embed.embedding.get_value().sharding.spec, P('tensor', 'fsdp'))
     shard_shapes = {s.data.shape for s in attn.q_proj.get_value().addressable_shards}
     self.assertEqual(shard_shapes, {(2, 16, 2, 24)})
-    for (p, a), (_, b) in zip(nnx.state(plain, nnx.Param).flat_state(), nnx.state(sharded, nnx.Param).flat_state()):
+    flat = lambda m: nnx.to_flat_state(nnx.state(m, nnx.Param))  # noqa: E731
+    for (p, a), (_, b) in zip(flat(plain), flat(sharded)):
       np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(p))
 
   def test_bfloat16_checkpoint_and_bad_dirs(self):

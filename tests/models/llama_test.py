@@ -129,15 +129,15 @@ class DecoderTest(parameterized.TestCase):
   def test_every_param_has_logical_axes_and_attn_filter_selects_attention(self):
     model = llama.Decoder(_tiny(qkv_bias=True, qk_norm=False, tie_embeddings=False), rngs=nnx.Rngs(0))
     allowed = {'vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp', 'norm', 'layers'}
-    for path, var in nnx.state(model, nnx.Param).flat_state():
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
       names = var.get_metadata()['out_sharding']
       self.assertLen(names, var.get_value().ndim, msg=str(path))
       self.assertContainsSubset(set(names), allowed)
-    attn = {'/'.join(map(str, p)) for p, _ in nnx.state(model, nnx.PathContains('attn')).flat_state()}
+    attn = {'/'.join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.PathContains('attn')))}
     self.assertEqual(attn, {f'layers/attn/{n}' for n in
                             ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'q_bias', 'k_bias', 'v_bias')})
     model3 = llama.Decoder(_tiny(qk_norm=True), rngs=nnx.Rngs(0))
-    attn3 = {'/'.join(map(str, p)) for p, _ in nnx.state(model3, nnx.PathContains('attn')).flat_state()}
+    attn3 = {'/'.join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model3, nnx.PathContains('attn')))}
     self.assertIn('layers/attn/q_norm/scale', attn3)
     self.assertNotIn('layers/attn_norm/scale', attn3)
 

@@ -22,8 +22,8 @@ class ValueModelTest(absltest.TestCase):
     critic = value.ValueModel.from_policy(self.policy, rngs=nnx.Rngs(1))
     self.assertFalse(hasattr(critic.backbone, 'lm_head'))
     np.testing.assert_array_equal(critic(self.toks), 0.0)
-    pol = dict(nnx.state(self.policy, nnx.Param).flat_state())
-    crit = dict(nnx.state(critic.backbone, nnx.Param).flat_state())
+    pol = dict(nnx.to_flat_state(nnx.state(self.policy, nnx.Param)))
+    crit = dict(nnx.to_flat_state(nnx.state(critic.backbone, nnx.Param)))
     self.assertEqual(set(crit), set(pol) - {('lm_head',)})
     for k, v in crit.items():
       np.testing.assert_array_equal(v.get_value(), pol[k].get_value())
@@ -47,15 +47,15 @@ class ValueModelTest(absltest.TestCase):
 
   def test_critic_attention_filter_freezes_exactly_the_attention(self):
     critic = value.ValueModel(self.cfg, rngs=nnx.Rngs(0))
-    frozen = {p for p, _ in nnx.state(critic, value.CRITIC_ATTENTION).flat_state()}
-    trainable = {p for p, _ in nnx.state(critic, value.CRITIC_TRAINABLE).flat_state()}
+    frozen = {p for p, _ in nnx.to_flat_state(nnx.state(critic, value.CRITIC_ATTENTION))}
+    trainable = {p for p, _ in nnx.to_flat_state(nnx.state(critic, value.CRITIC_TRAINABLE))}
     self.assertEqual({p[-1] for p in frozen}, {'q_proj', 'k_proj', 'v_proj', 'o_proj'})
     self.assertTrue(all(p[:3] == ('backbone', 'layers', 'attn') for p in frozen))
     self.assertIn(('head', 'kernel'), trainable)
     self.assertIn(('backbone', 'layers', 'mlp', 'up_proj'), trainable)
     self.assertIn(('backbone', 'layers', 'attn_norm', 'scale'), trainable)
     self.assertEqual(frozen & trainable, set())
-    self.assertEqual(frozen | trainable, {p for p, _ in nnx.state(critic, nnx.Param).flat_state()})
+    self.assertEqual(frozen | trainable, {p for p, _ in nnx.to_flat_state(nnx.state(critic, nnx.Param))})
 
     # Gradients w.r.t. the trainable part only: the zero head still gets a gradient at init.
     def loss(trainable_state, rest):
