@@ -224,8 +224,9 @@ class Checkpointer:
       step: the step to restore; None = latest.
       target: abstract (or concrete) trees for the array items, with shardings
         (`abstract_target(tree, shardings)`): restored arrays take the target's structure, dtypes and
-        shardings. An array item whose target is None is restored with its saved structure onto the first
-        local device (plain dicts/lists; an nnx.State or optax state needs a target to come back typed).
+        shardings; leaves without a sharding go to the first local device. An array item whose target is
+        None is restored with its saved structure onto the first local device (plain dicts/lists; an
+        nnx.State or optax state needs a target to come back typed).
       items: names of the items to restore (default: every stored item). The others come back as None.
 
     Returns:
@@ -248,9 +249,10 @@ class Checkpointer:
         continue
       tree = None if target is None else getattr(target, name)
       if tree is None:
-        meta = self._manager.item_metadata(step)[name]
-        tree = _single_device_target(_metadata_tree(meta))
-      args[name] = ocp.args.StandardRestore(tree)
+        tree = _metadata_tree(self._manager.item_metadata(step)[name])
+      # Leaves without a sharding go to the first local device (never the saved topology, which may be
+      # another mesh or another number of processes).
+      args[name] = ocp.args.StandardRestore(_single_device_target(tree))
     for name in JSON_ITEMS:
       if name in wanted:
         args[name] = ocp.args.JsonRestore()

@@ -1,6 +1,11 @@
 """Tests of sao_jax.checkpoint: bit-exact round trips, keep-N, step selection, sharded restore, load_policy."""
 
+import functools
+import json
 import os
+import socket
+import subprocess
+import sys
 import tempfile
 
 from absl.testing import absltest
@@ -19,8 +24,7 @@ from sao_jax.models.config import get_model_config
 from sao_jax.models.llama import Decoder
 
 _CFG = get_model_config('tiny', num_layers=1, embed_dim=32, mlp_dim=64, vocab_size=128, head_dim=8)
-
-
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _leaves_equal(a, b) -> bool:
@@ -44,12 +48,21 @@ def _arrays(seed):
   return nnx.state(model), opt
 
 
-_GRAPHDEF = nnx.graphdef(nnx.eval_shape(lambda: Decoder(_CFG, rngs=nnx.Rngs(0))))
+@functools.cache
+def _graphdef():
+  return nnx.graphdef(nnx.eval_shape(lambda: Decoder(_CFG, rngs=nnx.Rngs(0))))
+
+
+def _host_policy(seed: int):
+  """A Decoder-shaped nnx.State of numpy arrays (no compile: what the 2-process workers save)."""
+  abstract = nnx.state(nnx.eval_shape(lambda: Decoder(_CFG, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(x.dtype), abstract)
 
 
 def _model(seed: int = 0) -> Decoder:
   """A Decoder initialised from `seed` (built under jit: eager init is slow)."""
-  return nnx.merge(_GRAPHDEF, _arrays(jnp.asarray(seed, jnp.int32))[0])
+  return nnx.merge(_graphdef(), _arrays(jnp.asarray(seed, jnp.int32))[0])
 
 
 def _state(step: int, seed: int = 0):
@@ -199,5 +212,85 @@ class CheckpointTest(absltest.TestCase):
       checkpoint.load_policy(self.dir)
 
 
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+class MultiProcessTest(absltest.TestCase):
+  """Two processes (2 CPU devices each) save and restore one checkpoint sharded over a global mesh of 4."""
+
+  def test_two_processes_save_and_restore_sharded(self):
+    port, out = _free_port(), tempfile.mkdtemp(prefix='ckpt_mp_')
+    env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2', JAX_PLATFORMS='cpu',
+               PYTHONPATH=_ROOT)
+    procs = [subprocess.Popen([sys.executable, '-m', 'tests.checkpoint_test', 'worker', str(port), str(i), out],
+                              cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for i in range(2)]
+    logs = []
+    try:
+      for p in procs:
+        logs.append(p.communicate(timeout=300)[0].decode()[-3000:])
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      self.fail('2-process checkpoint run timed out (hang in jax.distributed or an orbax barrier?)')
+    for p, log in zip(procs, logs):
+      self.assertEqual(p.returncode, 0, log)
+    reports = []
+    for i in range(2):
+      with open(os.path.join(out, f'report{i}.json')) as f:
+        reports.append(json.load(f))
+    for i, r in enumerate(reports):
+      self.assertEqual((r['process'], r['processes'], r['devices']), (i, 2, 4))
+      self.assertGreater(r['shards_checked'], 0)
+      self.assertTrue(r['local_shards_only'])
+      self.assertEqual(r['data'], {'kind': 'generated', 'seed': 3, 'index': 18})
+    self.assertGreater(reports[0]['split_leaves'], 0)  # Some leaves really are split across the processes.
+    # One checkpoint, written by both processes' shards, readable by a single process afterwards.
+    with checkpoint.Checkpointer(os.path.join(out, 'ckpt')) as ckpt:
+      self.assertEqual(ckpt.all_steps(), [1])
+      want = _host_policy(5)
+      target = checkpoint.CheckpointState(step=0, policy=checkpoint.abstract_target(want))
+      got = ckpt.restore(target=target, items=('policy', 'metadata'))
+    self.assertTrue(_leaves_equal(got.policy, want))
+    self.assertEqual(checkpoint.model_config_from_json(got.metadata['model_config']), _CFG)
+
+
+def _mp_worker(port: str, process_id: str, out: str) -> None:
+  """One process of MultiProcessTest: global mesh fsdp=4 over 2 processes x 2 devices."""
+  pid = int(process_id)
+  jax.distributed.initialize(f'127.0.0.1:{port}', num_processes=2, process_id=pid, initialization_timeout=120)
+  from sao_jax.learner import state as state_lib  # pylint: disable=g-import-not-at-top
+  mesh = parallel.make_mesh(ml_collections.ConfigDict({'data': 1, 'fsdp': 4, 'tensor': 1}))
+  rules = base.get_config().mesh.rules
+  host = _host_policy(5)  # The same values on both processes.
+  abstract = checkpoint.abstract_target(host)
+  shardings = parallel.tree_shardings(abstract, mesh, rules)
+  policy = state_lib.place(host, shardings)  # Global arrays; each process holds only its shards.
+  with checkpoint.Checkpointer(os.path.join(out, 'ckpt')) as ckpt:
+    ckpt.save(checkpoint.CheckpointState(step=1, policy=policy, data={'kind': 'generated', 'seed': 3, 'index': 18},
+                                         metadata=checkpoint.policy_metadata(_CFG)))
+    ckpt.wait()
+    got = ckpt.restore(target=checkpoint.CheckpointState(
+        step=0, policy=checkpoint.abstract_target(abstract, shardings)))
+  checked, local_only, split = 0, True, 0
+  for leaf, want in zip(jax.tree.leaves(got.policy), jax.tree.leaves(host)):
+    local_only &= not leaf.is_fully_addressable or leaf.sharding.is_fully_replicated
+    split += int(not leaf.is_fully_addressable)
+    for shard in leaf.addressable_shards:
+      np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+      checked += 1
+  with open(os.path.join(out, f'report{pid}.json'), 'w') as f:
+    json.dump({'process': jax.process_index(), 'processes': jax.process_count(), 'devices': jax.device_count(),
+               'shards_checked': checked, 'local_shards_only': bool(local_only), 'split_leaves': split,
+               'data': got.data}, f)
+  jax.distributed.shutdown()
+
+
 if __name__ == '__main__':
-  absltest.main()
+  if len(sys.argv) == 5 and sys.argv[1] == 'worker':
+    _mp_worker(*sys.argv[2:5])
+  else:
+    absltest.main()
