@@ -99,6 +99,12 @@ class DecoderTest(parameterized.TestCase):
     batch = _forward(model, toks, mask)
     alone = _forward(model, toks[1:, :4], None)
     np.testing.assert_allclose(batch[1, :4], alone[0], atol=2e-5, rtol=1e-5)
+    # Left padding with explicit positions (no cache): the real tokens see only themselves.
+    left = jnp.concatenate([jnp.zeros((1, 6), jnp.int32), toks[1:, :4]], axis=1)
+    lmask = jnp.arange(10)[None] >= 6
+    pos = jnp.maximum(jnp.arange(10) - 6, 0)[None]
+    out = nnx.jit(lambda m, t, a, p: m(t, attention_mask=a, positions=p))(model, left, lmask, pos)
+    np.testing.assert_allclose(out[0, 6:], alone[0], atol=2e-5, rtol=1e-5)
 
   def test_scan_unrolled_and_remat_agree_in_value_and_grad(self):
     toks = _tokens(_tiny(), (2, 8))
