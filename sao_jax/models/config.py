@@ -40,6 +40,8 @@ class ModelConfig:
     pad_id: Padding token id.
     remat: Rematerialise each decoder block in the backward pass (saves activation memory).
     scan_layers: Run the stacked blocks with `lax.scan` (fast compiles) instead of an unrolled loop.
+    attention_chunk: Query block of causal attention without a cache (blocks above the diagonal are
+      skipped; 0 = one full [T, T] block). At most 16 blocks are used (the block grows with T).
     max_position: Longest position the model is meant for (HF `max_position_embeddings`; informative).
     name: Name of the config (informative).
   """
@@ -63,6 +65,7 @@ class ModelConfig:
   pad_id: int = 0
   remat: bool = False
   scan_layers: bool = True
+  attention_chunk: int = 64
   max_position: int = 8192
   name: str = ''
 
@@ -74,6 +77,8 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f'ModelConfig.num_heads ({self.num_heads}) must be a multiple of '
                        f'num_kv_heads ({self.num_kv_heads}).')
+    if not isinstance(self.attention_chunk, int) or self.attention_chunk < 0:
+      raise ValueError(f'ModelConfig.attention_chunk must be an int >= 0, got {self.attention_chunk!r}.')
     if self.head_dim % 2:
       raise ValueError(f'ModelConfig.head_dim must be even for RoPE, got {self.head_dim}.')
     if self.dtype not in _DTYPES:

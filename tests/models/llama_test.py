@@ -99,6 +99,9 @@ class DecoderTest(parameterized.TestCase):
     batch = _forward(model, toks, mask)
     alone = _forward(model, toks[1:, :4], None)
     np.testing.assert_allclose(batch[1, :4], alone[0], atol=2e-5, rtol=1e-5)
+    # Causal attention in query blocks (skipping blocks above the diagonal) is the same function.
+    blocked = llama.Decoder(cfg.replace(attention_chunk=3), rngs=nnx.Rngs(2))
+    np.testing.assert_allclose(_forward(blocked, toks, mask), batch, atol=2e-5, rtol=1e-5)
     # Left padding with explicit positions (no cache): the real tokens see only themselves.
     left = jnp.concatenate([jnp.zeros((1, 6), jnp.int32), toks[1:, :4]], axis=1)
     lmask = jnp.arange(10)[None] >= 6
@@ -113,7 +116,7 @@ class DecoderTest(parameterized.TestCase):
       return jnp.mean(model(toks) ** 2)
 
     results = []
-    for kw in ({}, {'scan_layers': False}, {'remat': True}):
+    for kw in ({}, {'scan_layers': False}, {'remat': True}, {'attention_chunk': 3}):
       model = llama.Decoder(_tiny(**kw), rngs=nnx.Rngs(3))
       value, grads = nnx.jit(nnx.value_and_grad(loss))(model)
       results.append((value, grads))
