@@ -181,7 +181,7 @@ def _grow_cache(cache: DecodeCache, max_len: int) -> DecodeCache:
 
 
 def forward_chunk(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens: Array,
-                  chunk_valid: Array) -> tuple[Array, DecodeCache]:
+                  chunk_valid: Array, window: int | None = None) -> tuple[Array, DecodeCache]:
   """Runs a chunk through the decoder, writing it into slots `[index, index + T)` of the cache.
 
   Positions: `positions[b] + cumsum(chunk_valid[b]) - 1` on the real tokens. Token t of the chunk attends to
@@ -193,6 +193,8 @@ def forward_chunk(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, 
     cache: the cache; needs `index + T <= S` (the caller guarantees it).
     tokens: int32 `[B, T]`.
     chunk_valid: bool `[B, T]`, False on padding.
+    window: static; attend only over slots `[0, window)` (the caller guarantees `index + T <= window`). A
+      cache preallocated for a long episode then costs attention over the filled part only.
 
   Returns:
     `(hidden [D, B] (transposed) of the chunk's last position after the final norm, new cache)`.
@@ -208,7 +210,8 @@ def forward_chunk(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, 
   slots = jnp.arange(s, dtype=jnp.int32)
   query_slots = cache.index + jnp.arange(t, dtype=jnp.int32)
   mask = valid[:, None, :] & (slots[None, None, :] <= query_slots[None, :, None])  # [B, T, S]
-  mask = mask[:, None, None]  # [B, 1, 1, T, S]
+  window = s if window is None else min(window, s)
+  mask = mask[:, None, None, :, :window]  # [B, 1, 1, T, W]
   # Activations are kept transposed, xt [D, M] with M = B * T, so every weight matmul is W[out, in] @ xt:
   # on XLA:CPU this is markedly faster than x @ W for the small M of decoding.
   m = b * t
@@ -231,10 +234,11 @@ def forward_chunk(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, 
     new_k.append(k_cache)
     new_v.append(v_cache)
     q = q.reshape(b, t, kh, g, h)
-    scores = jnp.einsum('btkgh,bksh->bkgts', q, k_cache.astype(dt), preferred_element_type=jnp.float32)
+    k_att, v_att = (k_cache, v_cache) if window == s else (k_cache[:, :, :window], v_cache[:, :, :window])
+    scores = jnp.einsum('btkgh,bksh->bkgts', q, k_att.astype(dt), preferred_element_type=jnp.float32)
     scores = jnp.where(mask, scores * (h ** -0.5), _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    att = jnp.einsum('bkgts,bksh->kghbt', probs, v_cache.astype(dt)).reshape(n * h, m)
+    att = jnp.einsum('bkgts,bksh->kghbt', probs, v_att.astype(dt)).reshape(n * h, m)
     xt = xt + lw.wo @ att
     y = _rms_norm(xt, lw.mlp_norm, cfg.norm_eps, axis=0)
     gate_up = lw.w_gate_up @ y
@@ -262,6 +266,7 @@ class _Static:
   params: SamplingParams
   stop_ids: tuple[int, ...]
   pad_id: int
+  window: int  # Attention window (slots) of this call's programs, see `forward_chunk`.
 
 
 def _select(st: _Static, logits: Array, seeds: Array, key_pos: Array, n_generated: Array,
@@ -290,7 +295,7 @@ def _is_stop(st: _Static, tokens: Array) -> Array:
 def _prefill_impl(st: _Static, weights: DecodeWeights, cache: DecodeCache, chunk: Array, chunk_valid: Array,
                   seeds: Array, budgets: Array, min_new: Array):
   """Writes the chunk, samples each row's first new token. Rows with budget 0 generate nothing."""
-  hidden, cache = forward_chunk(st.cfg, weights, cache, chunk, chunk_valid)
+  hidden, cache = forward_chunk(st.cfg, weights, cache, chunk, chunk_valid, st.window)
   logits = _logits(weights, hidden)
   zeros = jnp.zeros_like(budgets)
   tok, lp, slp = _select(st, logits, seeds, cache.positions, zeros, min_new)
@@ -321,7 +326,7 @@ def _decode_impl(st: _Static, num_steps: int, weights: DecodeWeights, cache: Dec
 
   def body(carry):
     i, cache, tokens, lps, slps, lengths, done, reason, last = carry
-    hidden, cache = forward_chunk(st.cfg, weights, cache, last[:, None], ~done[:, None])
+    hidden, cache = forward_chunk(st.cfg, weights, cache, last[:, None], ~done[:, None], st.window)
     logits = _logits(weights, hidden)
     tok, lp, slp = _select(st, logits, seeds, cache.positions, lengths, min_new)
     live = ~done
@@ -509,7 +514,7 @@ class Sampler:
     cache = self._init_cache(self.cfg, bp, s)
     chunk, valid = self._left_pad(prompts, bp, t)
     return self._run(cache, chunk, valid, seeds_np, budgets, n, params, min_new_tokens, b, keep_state,
-                     time_prefill)
+                     time_prefill, need=t + n)
 
   def continue_generation(self, state: EpisodeState, observations: Sequence[Sequence[int] | None], *,
                           max_new_tokens: int | Sequence[int], params: SamplingParams = SamplingParams(),
@@ -551,7 +556,7 @@ class Sampler:
       cache = self._grow(cache, _next_pow2(need))
     chunk, valid = self._left_pad(chunks, bp, t)
     out = self._run(cache, chunk, valid, state.seeds, budgets, n, params, min_new_tokens, b, keep_state,
-                    time_prefill)
+                    time_prefill, need=need)
     if out.state is not None:  # Rows that took no part keep their pending token.
       keep = ~active
       out.state.pending = np.where(keep, state.pending, out.state.pending)
@@ -595,8 +600,11 @@ class Sampler:
         valid[i, t - len(c):] = True
     return tokens, valid
 
-  def _run(self, cache, chunk, valid, seeds, budgets, n, params, min_new_tokens, b, keep_state, time_prefill):
-    st = _Static(self.cfg, params, self.stop_ids, self.pad_id)
+  def _run(self, cache, chunk, valid, seeds, budgets, n, params, min_new_tokens, b, keep_state, time_prefill,
+           need):
+    # Attention window: the slots this call can fill, bucketed (a power of two), at most the cache length.
+    window = min(cache.max_len, _next_pow2(need, 32))
+    st = _Static(self.cfg, params, self.stop_ids, self.pad_id, window)
     min_new = jnp.asarray(min_new_tokens, jnp.int32)
     seeds_d, budgets_d = jnp.asarray(seeds), jnp.asarray(budgets)
     t0 = time.perf_counter()

@@ -32,8 +32,13 @@ def _model() -> Decoder:
 
 
 @functools.lru_cache(maxsize=None)
-def _sampler(stop_ids=(3,)) -> Sampler:
-  return Sampler(_model(), stop_ids=stop_ids, pad_id=0, prompt_buckets=(16,))
+def _sampler() -> Sampler:
+  """The shared sampler (one set of compiled programs for most tests).
+
+  Stop tokens: 3, 4 and the greedy first tokens after prompts 0 and 1 (so that stops really happen).
+  """
+  first = [int(np.argmax(_full_logits(list(p))[-1])) for p in _PROMPTS[:2]]
+  return Sampler(_model(), stop_ids=tuple(sorted({3, 4, *first})), pad_id=0, prompt_buckets=(16,))
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,7 +57,7 @@ def _full_logits(seq: list[int], padded_len: int = 128) -> np.ndarray:
   assert len(seq) <= padded_len
   tokens = np.zeros((1, padded_len), np.int32)
   tokens[0, :len(seq)] = seq
-  return np.asarray(fn(state, jnp.asarray(tokens))[0, :len(seq)])
+  return np.array(fn(state, jnp.asarray(tokens))[0, :len(seq)])
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -172,6 +177,9 @@ class SamplerTest(parameterized.TestCase):
         keep = np.ones_like(z, bool)
         if params.top_k:
           keep &= z >= np.sort(z, -1)[:, -params.top_k][:, None]
+        if params.top_p < 1:
+          lp_k = _log_softmax(np.where(keep, z, -np.inf))
+          keep &= np.asarray(sampling.top_p_mask(jnp.asarray(lp_k), params.top_p))
         ref_s = _log_softmax(np.where(keep, z, -np.inf))[np.arange(len(gen)), gen]
         np.testing.assert_allclose(out.sampling_logprobs[b, :len(gen)], ref_s, atol=2e-5)
 
@@ -187,40 +195,47 @@ class SamplerTest(parameterized.TestCase):
         self.assertEqual(out.lengths[b], budgets[b])
 
   def test_logprobs_match_forward_and_stops(self):
-    # Stop on a set of frequent tokens so that some rows stop early and others run out of budget.
-    model = _model()
-    first = np.argmax(_full_logits(list(_PROMPTS[0]))[-1])
-    stop_ids = (int(first), 3, 4)
-    sampler = Sampler(model, stop_ids=stop_ids, pad_id=0, prompt_buckets=(16,))
+    sampler = _sampler()
     budgets = [12, 5, 20, 0]
     out = sampler.generate(_PROMPTS, max_new_tokens=budgets, seeds=11)
     self.assertEqual(out.tokens.shape, (4, 32))
     self.assertEqual(out.lengths[3], 0)
-    self._check_stops(out, budgets, stop_ids)
+    self._check_stops(out, budgets, sampler.stop_ids)
     self._check_against_forward(_PROMPTS, out)
-    # Many seeds: both stop reasons occur.
+    # Several seeds: both stop reasons occur.
     reasons = set()
     for seed in range(4):
       o = sampler.generate(_PROMPTS, max_new_tokens=budgets, seeds=100 * seed)
-      self._check_stops(o, budgets, stop_ids)
+      self._check_stops(o, budgets, sampler.stop_ids)
       reasons |= set(o.stop_reason[:3].tolist())
     self.assertEqual(reasons, {StopReason.STOP_TOKEN, StopReason.BUDGET})
 
-  @parameterized.named_parameters(
-      ('temperature_top_k', SamplingParams(temperature=0.7, top_k=7)),
-      ('hot', SamplingParams(temperature=1.5)))
-  def test_sampling_logprobs_match_forward(self, params):
+  def test_sampling_logprobs_match_forward(self):
+    params = SamplingParams(temperature=0.7, top_k=7, top_p=0.9)
     out = _sampler().generate(_PROMPTS[:3], max_new_tokens=10, seeds=[1, 2, 3], params=params)
     self._check_against_forward(_PROMPTS[:3], out, params)
 
   def test_greedy_matches_uncached_greedy(self):
-    out = _sampler(stop_ids=()).generate(_PROMPTS, max_new_tokens=12, params=SamplingParams(temperature=0.0))
+    sampler = _sampler()
+    greedy = SamplingParams(temperature=0.0)
+    # Greedy stops at once after prompts 0 and 1 (their first greedy token is a stop token) ...
+    out = sampler.generate(_PROMPTS, max_new_tokens=12, params=greedy)
+    np.testing.assert_array_equal(out.lengths[:2], 1)
+    np.testing.assert_array_equal(out.stop_reason[:2], StopReason.STOP_TOKEN)
+    # ... and with the stop tokens banned for 12 tokens every row runs its full budget.
+    out = sampler.generate(_PROMPTS, max_new_tokens=12, params=greedy, min_new_tokens=12)
+    np.testing.assert_array_equal(out.lengths, 12)
+    np.testing.assert_array_equal(out.stop_reason, StopReason.BUDGET)
     for b, prompt in enumerate(_PROMPTS):
       seq = list(prompt)
-      for _ in range(12):  # Greedy decoding with a full forward pass per token (no cache).
-        seq.append(int(np.argmax(_full_logits(seq)[-1])))
+      for _ in range(12):  # Greedy decoding with a full forward pass per token (no cache), stops banned.
+        logits = _full_logits(seq)[-1]
+        logits[list(sampler.stop_ids)] = -np.inf
+        seq.append(int(np.argmax(logits)))
       self.assertEqual(out.tokens[b].tolist()[:12], seq[len(prompt):], f'row {b}')
       np.testing.assert_array_equal(out.sampling_logprobs[b, :12], 0.0)
+    # The policy log-prob is unaffected by the ban.
+    self._check_against_forward(_PROMPTS, out, params=None)
 
   def test_seeds(self):
     sampler = _sampler()
@@ -230,33 +245,25 @@ class SamplerTest(parameterized.TestCase):
     c = sampler.generate(_PROMPTS[:3], max_new_tokens=8, seeds=[17, 18, 19])
     self.assertFalse(np.array_equal(a.tokens, c.tokens))
 
-  def test_min_new_tokens_bans_stop(self):
-    model = _model()
-    first = int(np.argmax(_full_logits(list(_PROMPTS[1]))[-1]))
-    sampler = Sampler(model, stop_ids=(first,), pad_id=0, prompt_buckets=(16,))
-    greedy = SamplingParams(temperature=0.0)
-    out = sampler.generate([_PROMPTS[1]], max_new_tokens=6, params=greedy)
-    self.assertEqual((out.lengths[0], out.stop_reason[0]), (1, StopReason.STOP_TOKEN))
-    out = sampler.generate([_PROMPTS[1]], max_new_tokens=6, params=greedy, min_new_tokens=6)
-    self.assertEqual((out.lengths[0], out.stop_reason[0]), (6, StopReason.BUDGET))
-    self.assertNotIn(first, out.tokens[0].tolist())
-    # The policy log-prob is unaffected by the ban.
-    self._check_against_forward([_PROMPTS[1]], out, params=None)
-
   def test_continuation_matches_forward_without_reprefill(self):
     sampler = _sampler()
-    out1 = sampler.generate(_PROMPTS[:3], max_new_tokens=[6, 4, 5], seeds=5, keep_state=True, max_total_len=128)
-    self.assertEqual(out1.state.cache.max_len, 128)
+    grows = sampler.num_compiled()['grow_cache']
+    out1 = sampler.generate(_PROMPTS[:3], max_new_tokens=[6, 4, 5], seeds=5, keep_state=True, min_new_tokens=3,
+                            max_total_len=64)
+    self.assertEqual(out1.state.cache.max_len, 64)
     index1 = int(out1.state.cache.index)
     obs = [[20, 21, 22], [23], None]  # Row 2's episode is over.
     out2 = sampler.continue_generation(out1.state, obs, max_new_tokens=7, keep_state=True)
     self.assertEqual(out2.lengths[2], 0)
+    self.assertEqual(out2.state.cache.max_len, 64)  # <= 21 + 16 + 16 slots needed: no growth.
+    self.assertEqual(sampler.num_compiled()['grow_cache'], grows)
     # Only the new chunk (bucket 16) and the decode steps were written: the history was not re-run.
     steps2 = int(out2.lengths.max())
     self.assertEqual(int(out2.state.cache.index), index1 + 16 + steps2 - 1)
     obs3 = [[30, 31], [32, 33, 34, 35], [36]]  # Row 2 comes back.
-    out3 = sampler.continue_generation(out2.state, obs3, max_new_tokens=[3, 9, 4])
-    self.assertEqual(sampler.num_compiled()['grow_cache'], 0)
+    out3 = sampler.continue_generation(out2.state, obs3, max_new_tokens=[3, 9, 4], keep_state=True)
+    self.assertEqual(out3.state.cache.max_len, 128)  # >= 34 + 16 + 16 > 64 slots needed: grown.
+    self.assertEqual(sampler.num_compiled()['grow_cache'], grows + 1)
     for b in range(3):
       seq = list(_PROMPTS[b])
       turns = []
@@ -270,19 +277,6 @@ class SamplerTest(parameterized.TestCase):
       for start, gen, lps in turns:
         ref = logp[np.arange(start - 1, start - 1 + len(gen)), gen]
         np.testing.assert_allclose(lps, ref, atol=3e-5, err_msg=f'row {b}')
-
-  def test_cache_grows_for_long_continuation(self):
-    sampler = _sampler(stop_ids=())
-    out = sampler.generate([[5, 6]], max_new_tokens=16, keep_state=True)
-    s0 = out.state.cache.max_len
-    out2 = sampler.continue_generation(out.state, [[7] * 15], max_new_tokens=40, keep_state=True)
-    self.assertGreater(out2.state.cache.max_len, s0)
-    seq = [5, 6] + out.token_lists()[0] + [7] * 15
-    gen = out2.token_lists()[0]
-    self.assertLen(gen, 40)
-    logp = _log_softmax(_full_logits(seq + gen))
-    ref = logp[np.arange(len(seq) - 1, len(seq) - 1 + 40), gen]
-    np.testing.assert_allclose(out2.logprobs[0, :40], ref, atol=3e-5)
 
   def test_bucketing_bounds_compiles(self):
     sampler = Sampler(_model(), stop_ids=(3,), pad_id=0, prompt_buckets=(8, 16))
