@@ -12,7 +12,9 @@ Conditions (shared/BENCHMARKS.md): 32 different ChatML user prompts of 24-31 tok
 first B for batch B); 256 new tokens per row, every row (EOS = `<|im_end|>` = 2 banned: `min_new_tokens` in
 ours and HF, `forbidden_tokens=[2]` in tunix); temperature 1, no top-k / top-p cut; float32. Each figure is
 the median of `--repeats` runs after one warm-up run; the warm-up (which includes compilation) is reported
-separately as `first call`. Per run:
+separately as `first call`. The runs of the three samplers are interleaved (ours, HF, tunix, ours, ...) so
+that load changes on a shared machine hit all of them alike, and each run's process CPU time (all threads) is
+reported too (`CPU ms/token` = CPU time of the whole generation / (B * new tokens)). Per run:
 
   decode tok/s  = B * (new_tokens - 1) / (generation time - prefill time)
   prefill tok/s = B * 32 / prefill time               (padded prompt tokens)
@@ -22,11 +24,12 @@ synchronises after the prefill program; HF: first call of a logits processor; tu
 function, synchronised).
 
 tunix runs in its own virtual environment (its pinned dependencies differ from ours): this script starts
-`--tunix_python` on this same file in worker mode (`--worker=tunix`), which prints JSON results. The worker
+`--tunix_python` on this same file in worker mode (`--worker=tunix`) and drives it over JSON lines. The worker
 builds tunix's llama3 `ModelConfig` for SmolLM2, loads the safetensors with
 `tunix.models.llama3.params.create_model_from_safe_tensors`, patches tunix 0.1.7's RoPE (which ignores the
 configured theta and always applies 1e6) to use theta = 1e5, and sizes the KV cache to prompt + new tokens.
-HF runs in-process with torch limited to `--threads` threads.
+HF runs in-process with torch limited to `--threads` threads and, by default, `OMP_WAIT_POLICY=PASSIVE`
+(`--hf_omp_passive`): on a shared machine under load, OpenMP's spin-waiting made HF several times slower.
 """
 
 from __future__ import annotations
@@ -108,102 +111,110 @@ def left_pad(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
   return tokens, mask
 
 
-def summarise(batch: int, new_tokens: int, runs: list[tuple[float, float]], first: float) -> dict:
-  """Median over runs of (total, prefill) seconds -> the reported figures."""
-  totals = [t for t, _ in runs]
-  prefills = [p for _, p in runs]
-  decode = [batch * (new_tokens - 1) / (t - p) for t, p in runs]
-  return dict(batch=batch, decode_tok_s=statistics.median(decode), prefill_s=statistics.median(prefills),
-              prefill_tok_s=batch * PROMPT_LEN / statistics.median(prefills), total_s=statistics.median(totals),
-              first_call_s=first, runs=[list(r) for r in runs])
+def summarise(batch: int, new_tokens: int, runs: list[tuple[float, float, float]], first: float) -> dict:
+  """Median over runs of (total s, prefill s, process CPU s) -> the reported figures."""
+  decode = [batch * (new_tokens - 1) / (t - p) for t, p, _ in runs]
+  prefill = statistics.median(p for _, p, _ in runs)
+  cpu = statistics.median(c for _, _, c in runs)
+  return dict(batch=batch, decode_tok_s=statistics.median(decode), prefill_s=prefill,
+              prefill_tok_s=batch * PROMPT_LEN / prefill, total_s=statistics.median(t for t, _, _ in runs),
+              cpu_ms_per_token=1e3 * cpu / (batch * new_tokens), first_call_s=first, runs=[list(r) for r in runs])
+
+
+def _timed(fn):
+  """Runs fn() -> (total wall s, prefill wall s); adds the process CPU seconds (all threads)."""
+  c0 = time.process_time()
+  total, prefill = fn()
+  return total, prefill, time.process_time() - c0
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Ours.
 
 
-def bench_ours(hf_dir: str, ids: list[list[int]], batch_sizes: list[int], new_tokens: int,
-               repeats: int) -> list[dict]:
-  from sao_jax.models import hf_io  # pylint: disable=g-import-not-at-top
-  from sao_jax.models.sampler import Sampler  # pylint: disable=g-import-not-at-top
-  from sao_jax.models.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
-  model, _ = hf_io.load_hf(hf_dir, dtype='float32')
-  sampler = Sampler(model, stop_ids=(EOS_ID,), pad_id=PAD_ID, prompt_buckets=(PROMPT_LEN,))
-  del model
-  params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
-  results = []
-  for b in batch_sizes:
-    prompts = ids[:b]
+class Ours:
+  """This package's `Sampler` on the HF directory's weights."""
 
-    def run(seed):
-      out = sampler.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, params=params,
-                             seeds=seed, time_prefill=True)
-      assert (out.lengths == new_tokens).all(), out.lengths
+  def __init__(self, hf_dir: str, ids: list[list[int]], new_tokens: int):
+    from sao_jax.models import hf_io  # pylint: disable=g-import-not-at-top
+    from sao_jax.models.sampler import Sampler  # pylint: disable=g-import-not-at-top
+    from sao_jax.models.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
+    model, _ = hf_io.load_hf(hf_dir, dtype='float32')
+    self.sampler = Sampler(model, stop_ids=(EOS_ID,), pad_id=PAD_ID, prompt_buckets=(PROMPT_LEN,))
+    self.params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
+    self.ids, self.new_tokens = ids, new_tokens
+
+  def run(self, batch: int, seed: int) -> tuple[float, float, float]:
+    def go():
+      out = self.sampler.generate(self.ids[:batch], max_new_tokens=self.new_tokens,
+                                  min_new_tokens=self.new_tokens, params=self.params, seeds=seed,
+                                  time_prefill=True)
+      assert (out.lengths == self.new_tokens).all(), out.lengths
       return out.timings['total'], out.timings['prefill']
+    return _timed(go)
 
-    t0 = time.perf_counter()
-    run(0)
-    first = time.perf_counter() - t0
-    runs = [run(1000 * (r + 1)) for r in range(repeats)]
-    results.append(summarise(b, new_tokens, runs, first))
-  return results
+  def close(self):
+    pass
 
 
 # ---------------------------------------------------------------------------------------------------------
 # HF transformers.
 
 
-def bench_hf(hf_dir: str, ids: list[list[int]], batch_sizes: list[int], new_tokens: int, repeats: int,
-             threads: int) -> list[dict]:
-  import torch  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
-  torch.set_num_threads(threads)
-  model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-  model.eval()
+class HF:
+  """transformers `generate` (torch CPU, `threads` threads), sampling at temperature 1 with no cut."""
 
-  class FirstCall(transformers.LogitsProcessor):
-    """Records when generate asks for the first token's logits processing (= prefill done)."""
+  def __init__(self, hf_dir: str, ids: list[list[int]], new_tokens: int, threads: int, omp_passive: bool):
+    if omp_passive:  # Must precede the first `import torch` of the process.
+      os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
+    import torch  # pylint: disable=g-import-not-at-top
+    import transformers  # pylint: disable=g-import-not-at-top
+    torch.set_num_threads(threads)
+    self.torch, self.transformers = torch, transformers
+    self.model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    self.model.eval()
+    self.ids, self.new_tokens = ids, new_tokens
 
-    def __init__(self):
-      self.t = None
+  def run(self, batch: int, seed: int) -> tuple[float, float, float]:
+    torch, transformers = self.torch, self.transformers
 
-    def __call__(self, input_ids, scores):
-      if self.t is None:
-        self.t = time.perf_counter()
-      return scores
+    class FirstCall(transformers.LogitsProcessor):
+      """Records when generate first processes logits (= the prefill forward is done)."""
+      t = None
 
-  results = []
-  for b in batch_sizes:
-    tokens, mask = left_pad(ids[:b])
+      def __call__(self, input_ids, scores):
+        if self.t is None:
+          self.t = time.perf_counter()
+        return scores
+
+    tokens, mask = left_pad(self.ids[:batch])
     tokens, mask = torch.from_numpy(tokens), torch.from_numpy(mask)
 
-    def run(seed):
+    def go():
       torch.manual_seed(seed)
       marker = FirstCall()
       t0 = time.perf_counter()
       with torch.no_grad():
-        out = model.generate(input_ids=tokens, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                             top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-                             logits_processor=transformers.LogitsProcessorList([marker]))
+        out = self.model.generate(
+            input_ids=tokens, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens, eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID, logits_processor=transformers.LogitsProcessorList([marker]))
       total = time.perf_counter() - t0
-      assert out.shape == (b, PROMPT_LEN + new_tokens), out.shape
+      assert out.shape == (batch, PROMPT_LEN + self.new_tokens), out.shape
       return total, marker.t - t0
+    return _timed(go)
 
-    t0 = time.perf_counter()
-    run(0)
-    first = time.perf_counter() - t0
-    runs = [run(r + 1) for r in range(repeats)]
-    results.append(summarise(b, new_tokens, runs, first))
-  return results
+  def close(self):
+    pass
 
 
 # ---------------------------------------------------------------------------------------------------------
-# tunix (worker process in its own venv).
+# tunix (a worker process in its own venv, driven over stdin/stdout JSON lines).
 
 
-def tunix_worker(spec: dict) -> list[dict]:
-  """Runs inside the tunix venv: spec = {hf_dir, ids, batch_sizes, new_tokens, repeats}."""
+def tunix_worker() -> None:
+  """Runs inside the tunix venv. First stdin line: {hf_dir, ids, new_tokens}; then {batch, seed} per run,
+  answered by one JSON line [total s, prefill s, CPU s]; an empty line ends it."""
   import functools  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -211,6 +222,7 @@ def tunix_worker(spec: dict) -> list[dict]:
   from tunix.models.llama3 import model as model_lib  # pylint: disable=g-import-not-at-top
   from tunix.models.llama3 import params as params_lib  # pylint: disable=g-import-not-at-top
 
+  spec = json.loads(sys.stdin.readline())
   cfg = model_lib.ModelConfig(num_layers=30, vocab_size=49152, embed_dim=576, hidden_dim=1536, num_heads=9,
                               head_dim=64, num_kv_heads=3, rope_theta=100_000, norm_eps=1e-5, weight_tying=True)
   # tunix 0.1.7 calls apply_rope without the configured theta (default 1e6): patch it to SmolLM2's 1e5.
@@ -250,37 +262,58 @@ def tunix_worker(spec: dict) -> list[dict]:
     return out
 
   sampler._compiled_prefill_fn = timed_prefill  # pylint: disable=protected-access
-  results = []
-  for b in spec['batch_sizes']:
-    strings = [str(i) for i in range(b)]
+  print(json.dumps('ready'), flush=True)
+  for line in sys.stdin:
+    if not line.strip():
+      break
+    req = json.loads(line)
+    strings = [str(i) for i in range(req['batch'])]
 
-    def run(seed):
+    def go():
       t0 = time.perf_counter()
       out = sampler(strings, max_generation_steps=new_tokens, max_prompt_length=PROMPT_LEN, temperature=1.0,
-                    top_p=1.0, eos_tokens=[EOS_ID], forbidden_tokens=[EOS_ID], seed=seed)
+                    top_p=1.0, eos_tokens=[EOS_ID], forbidden_tokens=[EOS_ID], seed=req['seed'])
       total = time.perf_counter() - t0
       lengths = [len(t) for t in out.tokens]
       assert all(n == new_tokens for n in lengths), lengths
       return total, marks['prefill_done'] - t0
-
-    t0 = time.perf_counter()
-    run(0)
-    first = time.perf_counter() - t0
-    runs = [run(r + 1) for r in range(spec['repeats'])]
-    results.append(summarise(b, new_tokens, runs, first))
-  return results
+    print(json.dumps(_timed(go)), flush=True)
 
 
-def bench_tunix(python: str, hf_dir: str, ids, batch_sizes, new_tokens, repeats, threads) -> list[dict]:
-  spec = dict(hf_dir=hf_dir, ids=ids, batch_sizes=batch_sizes, new_tokens=new_tokens, repeats=repeats)
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)
-  env.pop('PYTHONPATH', None)
-  proc = subprocess.run([python, os.path.abspath(__file__), '--worker=tunix'], input=json.dumps(spec),
-                        capture_output=True, text=True, env=env, check=False)
-  if proc.returncode:
-    raise RuntimeError(f'tunix worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}')
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+class Tunix:
+  """Drives `tunix_worker` in `python` (the tunix venv)."""
+
+  def __init__(self, python: str, hf_dir: str, ids: list[list[int]], new_tokens: int):
+    env = dict(os.environ, JAX_PLATFORMS='cpu')
+    env.pop('XLA_FLAGS', None)
+    env.pop('PYTHONPATH', None)
+    self.proc = subprocess.Popen([python, os.path.abspath(__file__), '--worker=tunix'], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, env=env)
+    self._send(dict(hf_dir=hf_dir, ids=ids, new_tokens=new_tokens))
+    self._recv()
+
+  def _send(self, obj):
+    self.proc.stdin.write(json.dumps(obj) + '\n')
+    self.proc.stdin.flush()
+
+  def _recv(self):
+    while True:
+      line = self.proc.stdout.readline()
+      if not line:
+        raise RuntimeError(f'tunix worker exited ({self.proc.wait()}); see its stderr above.')
+      try:
+        return json.loads(line)
+      except json.JSONDecodeError:
+        continue  # A library printed to stdout.
+
+  def run(self, batch: int, seed: int) -> tuple[float, float, float]:
+    self._send(dict(batch=batch, seed=seed))
+    return tuple(self._recv())
+
+  def close(self):
+    self.proc.stdin.write('\n')
+    self.proc.stdin.flush()
+    self.proc.wait()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -290,22 +323,21 @@ def bench_tunix(python: str, hf_dir: str, ids, batch_sizes, new_tokens, repeats,
 def _table(rows: dict[str, list[dict]]) -> str:
   names = list(rows)
   batches = [r['batch'] for r in rows[names[0]]]
+  peers = names[1:]
   head = '| batch | ' + ' | '.join(f'{n} decode tok/s (prefill s)' for n in names)
-  if len(names) > 1:
-    head += ' | ours / best peer'
-  lines = [head + ' |', '|' + '---|' * (len(names) + 1 + (len(names) > 1))]
+  head += ''.join(f' | ours / {p}' for p in peers)
+  lines = [head + ' |', '|' + '---|' * (len(names) + 1 + len(peers))]
   for i, b in enumerate(batches):
     cells = [f"{rows[n][i]['decode_tok_s']:.1f} ({rows[n][i]['prefill_s']:.3f})" for n in names]
-    line = f'| {b} | ' + ' | '.join(cells)
-    if len(names) > 1:
-      best = max(rows[n][i]['decode_tok_s'] for n in names[1:])
-      line += f" | {rows[names[0]][i]['decode_tok_s'] / best:.2f}x"
-    lines.append(line + ' |')
+    cells += [f"{rows[names[0]][i]['decode_tok_s'] / rows[p][i]['decode_tok_s']:.2f}x" for p in peers]
+    lines.append(f'| {b} | ' + ' | '.join(cells) + ' |')
   lines.append('')
-  lines.append('| batch | ' + ' | '.join(f'{n} prefill tok/s | {n} first call s' for n in names) + ' |')
-  lines.append('|' + '---|' * (2 * len(names) + 1))
+  lines.append('| batch | ' + ' | '.join(f'{n} prefill tok/s | {n} CPU ms/token | {n} first call s'
+                                         for n in names) + ' |')
+  lines.append('|' + '---|' * (3 * len(names) + 1))
   for i, b in enumerate(batches):
-    cells = [f"{rows[n][i]['prefill_tok_s']:.0f} | {rows[n][i]['first_call_s']:.1f}" for n in names]
+    cells = [f"{rows[n][i]['prefill_tok_s']:.0f} | {rows[n][i]['cpu_ms_per_token']:.2f} | "
+             f"{rows[n][i]['first_call_s']:.1f}" for n in names]
     lines.append(f'| {b} | ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines)
 
@@ -318,23 +350,38 @@ def main(argv):
   if max(batch_sizes) > len(PROMPTS):
     raise ValueError(f'--batch_sizes: at most {len(PROMPTS)} (the number of prompts).')
   ids = prompt_ids(f.hf_dir)
-  rows = {}
-  rows['ours'] = bench_ours(f.hf_dir, ids, batch_sizes, f.new_tokens, f.repeats)
-  print(json.dumps({'ours': rows['ours']}), flush=True)
+  impls = {'ours': Ours(f.hf_dir, ids, f.new_tokens)}
   if 'hf' in f.peers:
-    rows['hf'] = bench_hf(f.hf_dir, ids, batch_sizes, f.new_tokens, f.repeats, f.threads)
-    print(json.dumps({'hf': rows['hf']}), flush=True)
+    impls['hf'] = HF(f.hf_dir, ids, f.new_tokens, f.threads, f.hf_omp_passive)
   if 'tunix' in f.peers:
-    rows['tunix'] = bench_tunix(f.tunix_python, f.hf_dir, ids, batch_sizes, f.new_tokens, f.repeats, f.threads)
-    print(json.dumps({'tunix': rows['tunix']}), flush=True)
+    impls['tunix'] = Tunix(f.tunix_python, f.hf_dir, ids, f.new_tokens)
+  rows = {name: [] for name in impls}
+  try:
+    for b in batch_sizes:
+      first = {}
+      for name, impl in impls.items():  # Warm-up (compiles).
+        t0 = time.perf_counter()
+        impl.run(b, 0)
+        first[name] = time.perf_counter() - t0
+      runs = {name: [] for name in impls}
+      for r in range(f.repeats):  # Interleaved, so that load changes on the shared machine hit all alike.
+        for name, impl in impls.items():
+          runs[name].append(impl.run(b, r + 1))
+      for name in impls:
+        rows[name].append(summarise(b, f.new_tokens, runs[name], first[name]))
+        print(json.dumps({name: rows[name][-1]}), flush=True)
+  finally:
+    for impl in impls.values():
+      impl.close()
   print(f'\nSmolLM2-135M-Instruct float32, prompts left-padded to {PROMPT_LEN}, {f.new_tokens} new tokens, '
-        f'median of {f.repeats} after a warm-up\n')
+        f'median of {f.repeats} interleaved runs after a warm-up; load average at the end: '
+        f'{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n')
   print(_table(rows))
 
 
 if __name__ == '__main__':
   if '--worker=tunix' in sys.argv:  # Inside the tunix venv: no absl flags, no sao_jax imports.
-    print(json.dumps(tunix_worker(json.loads(sys.stdin.read()))), flush=True)
+    tunix_worker()
   else:
     from absl import app, flags  # pylint: disable=g-import-not-at-top
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -346,4 +393,6 @@ if __name__ == '__main__':
     flags.DEFINE_list('peers', ['hf', 'tunix'], 'Peers to measure: hf, tunix.')
     flags.DEFINE_string('tunix_python', '/work/tunix_venv/bin/python', 'Python of the venv with google-tunix.')
     flags.DEFINE_integer('threads', 2, 'torch threads for HF.')
+    flags.DEFINE_bool('hf_omp_passive', True, 'OMP_WAIT_POLICY=PASSIVE for torch: on a shared, loaded machine '
+                      "OpenMP's spin-waiting threads made HF's forward 3-15x slower (0.4 s -> 1-7 s at B=2).")
     app.run(main)
