@@ -525,3 +525,21 @@ class Task(abc.ABC):
 
   def close(self) -> None:
     """Releases worker processes; the task is unusable afterwards."""
+
+
+class DatasetTask(Task):
+  """A task over a fixed list of examples split into train and held-out eval (math, code).
+
+  Subclasses set `self._train` and `self._eval` (e.g. with `datasets.split`) and implement `make_env`.
+  """
+  _train: list[Example]
+  _eval: list[Example]
+
+  def train_examples(self) -> list[Example]:
+    return list(self._train)
+
+  def train_iterator(self, seed: int) -> ShuffledIterator:
+    return ShuffledIterator(self._train, seed)
+
+  def eval_set(self) -> list[Example]:
+    return list(self._eval)

@@ -248,7 +248,7 @@ class CodeEnv(base.BaseEnv):
     return base.StepResult(feedback_text(report, self.opts), 0.0, False, info)
 
 
-class CodeTask(base.Task):
+class CodeTask(base.DatasetTask):
   """Sandboxed code problems from a file."""
 
   def __init__(self, opts: CodeOptions, *, max_turns: int, eval_size: int):
@@ -288,15 +288,6 @@ class CodeTask(base.Task):
                           data={'entry_point': entry, 'tests': tests, 'asserts': asserts, 'row': n})
 
     return datasets.build_examples(datasets.read_rows(path, field), convert, path=path, field=field)
-
-  def train_examples(self) -> list[base.Example]:
-    return list(self._train)
-
-  def train_iterator(self, seed: int) -> base.ShuffledIterator:
-    return base.ShuffledIterator(self._train, seed)
-
-  def eval_set(self) -> list[base.Example]:
-    return list(self._eval)
 
   def make_env(self, example: base.Example) -> CodeEnv:
     return CodeEnv(example, self.opts, self.sandbox, max_turns=self.max_turns)

@@ -94,7 +94,7 @@ class MathEnv(base.BaseEnv):
     return base.StepResult(None, reward, True, info)
 
 
-class MathTask(base.Task):
+class MathTask(base.DatasetTask):
   """Problems from a file, split into train / held-out eval."""
 
   def __init__(self, opts: MathOptions, *, max_turns: int, eval_size: int):
@@ -110,15 +110,6 @@ class MathTask(base.Task):
     if self._checker is None:  # Started on first use: building the task for a dry run spawns nothing.
       self._checker = verifier_lib.shared_verifier(self.opts.verify_workers, self.opts.verify_timeout_s)
     return self._checker
-
-  def train_examples(self) -> list[base.Example]:
-    return list(self._train)
-
-  def train_iterator(self, seed: int) -> base.ShuffledIterator:
-    return base.ShuffledIterator(self._train, seed)
-
-  def eval_set(self) -> list[base.Example]:
-    return list(self._eval)
 
   def make_env(self, example: base.Example) -> MathEnv:
     return MathEnv(example, self.checker)
