@@ -77,7 +77,7 @@ def _param(key: Array, shape: tuple[int, ...], names: tuple[str, ...], dtype, *,
     init = jnp.full(shape, value, dtype)
   else:
     init = (stddev * jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)).astype(dtype)
-  return nnx.Param(init, sharding_names=names, eager_sharding=False)
+  return nnx.Param(init, out_sharding=names, eager_sharding=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -128,7 +128,7 @@ class RMSNorm(nnx.Module):
   """y = x / sqrt(mean(x^2, -1) + eps) * scale, computed in float32 (HF casting order)."""
 
   def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), sharding_names=('norm',), eager_sharding=False)
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=('norm',), eager_sharding=False)
     self.eps = eps
 
   def __call__(self, x: Array) -> Array:

@@ -32,8 +32,8 @@ class ValueHead(nnx.Module):
 
   def __init__(self, cfg: ModelConfig):
     pd = jnp.dtype(cfg.param_dtype)
-    self.kernel = nnx.Param(jnp.zeros((cfg.embed_dim,), pd), sharding_names=('embed',), eager_sharding=False)
-    self.bias = nnx.Param(jnp.zeros((), pd), sharding_names=(), eager_sharding=False)
+    self.kernel = nnx.Param(jnp.zeros((cfg.embed_dim,), pd), out_sharding=('embed',), eager_sharding=False)
+    self.bias = nnx.Param(jnp.zeros((), pd), out_sharding=(), eager_sharding=False)
 
   def __call__(self, hidden: Array) -> Array:
     return (jnp.einsum('btd,d->bt', hidden.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
