@@ -3,8 +3,6 @@
 import functools
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 
@@ -22,9 +20,9 @@ from sao_jax import config_lib
 from sao_jax import parallel
 from sao_jax.models.config import get_model_config
 from sao_jax.models.llama import Decoder
+from tests import multiprocess
 
 _CFG = get_model_config('tiny', num_layers=1, embed_dim=32, mlp_dim=64, vocab_size=128, head_dim=8)
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _leaves_equal(a, b) -> bool:
@@ -212,32 +210,12 @@ class CheckpointTest(absltest.TestCase):
       checkpoint.load_policy(self.dir)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 class MultiProcessTest(absltest.TestCase):
   """Two processes (2 CPU devices each) save and restore one checkpoint sharded over a global mesh of 4."""
 
   def test_two_processes_save_and_restore_sharded(self):
-    port, out = _free_port(), tempfile.mkdtemp(prefix='ckpt_mp_')
-    env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2', JAX_PLATFORMS='cpu',
-               PYTHONPATH=_ROOT)
-    procs = [subprocess.Popen([sys.executable, '-m', 'tests.checkpoint_test', 'worker', str(port), str(i), out],
-                              cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for i in range(2)]
-    logs = []
-    try:
-      for p in procs:
-        logs.append(p.communicate(timeout=300)[0].decode()[-3000:])
-    except subprocess.TimeoutExpired:
-      for p in procs:
-        p.kill()
-      self.fail('2-process checkpoint run timed out (hang in jax.distributed or an orbax barrier?)')
-    for p, log in zip(procs, logs):
-      self.assertEqual(p.returncode, 0, log)
+    out = tempfile.mkdtemp(prefix='ckpt_mp_')
+    multiprocess.run_two_processes(self, 'tests.checkpoint_test worker', out, timeout_s=300)
     reports = []
     for i in range(2):
       with open(os.path.join(out, f'report{i}.json')) as f:

@@ -8,9 +8,6 @@ several tests read the same run.
 import functools
 import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 
 import jax
@@ -25,9 +22,9 @@ from sao_jax.learner import optim as optim_lib
 from sao_jax.learner import state as state_lib
 from sao_jax.models import logprobs as logprobs_lib
 from sao_jax.models import value as value_lib
+from tests import multiprocess
 from tests.learner import helpers as H
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAO_OVERRIDES = H.SAO_OVERRIDES
 GRPO_OVERRIDES = {}
 
@@ -304,32 +301,11 @@ class StepPartsTest(absltest.TestCase):
       optim_lib.make_schedule(c.optim, 1.0)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 class MultiProcessTest(absltest.TestCase):
 
   def test_two_processes_match_single_process(self):
-    port = _free_port()
     with tempfile.TemporaryDirectory() as out:
-      env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2', JAX_PLATFORMS='cpu',
-                 PYTHONPATH=REPO)
-      procs = [subprocess.Popen([sys.executable, '-m', 'tests.learner.mp_worker', str(port), str(i), out],
-                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-               for i in range(2)]
-      logs = []
-      try:
-        for p in procs:
-          logs.append(p.communicate(timeout=420)[0].decode()[-3000:])
-      except subprocess.TimeoutExpired:
-        for p in procs:
-          p.kill()
-        self.fail('2-process run timed out (hang in jax.distributed?)')
-      for p, log in zip(procs, logs):
-        self.assertEqual(p.returncode, 0, log)
+      multiprocess.run_two_processes(self, 'tests.learner.mp_worker', out, timeout_s=420)
       result = dict(np.load(os.path.join(out, 'params.npz')))
       with open(os.path.join(out, 'metrics.json')) as f:
         metrics = json.load(f)
