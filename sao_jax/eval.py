@@ -28,7 +28,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from absl import logging
@@ -37,6 +37,7 @@ import numpy as np
 from sao_jax import types
 from sao_jax.envs import base
 from sao_jax.envs import evaluation
+from sao_jax.models import sampling as sampling_lib
 
 # ------------------------------------------------------------------------------------------------------------
 # Generation backends: batched, multi-turn.
@@ -49,16 +50,9 @@ class Generation:
   logprobs: list[float]
 
 
-@dataclasses.dataclass(frozen=True)
-class Decoding:
-  """How tokens are chosen: temperature 0 = greedy (argmax); top_p 1 / top_k 0 = no cut."""
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-
-  @property
-  def greedy(self) -> bool:
-    return self.temperature == 0.0
+# How tokens are chosen (temperature 0 = greedy; top_p 1 / top_k 0 = no cut): the sampler's own static,
+# validated parameters, so every backend receives exactly what the sampler runs.
+Decoding = sampling_lib.SamplingParams
 
 
 class Backend(Protocol):
@@ -98,7 +92,6 @@ class SamplerBackend:
   def __init__(self, model, *, stop_ids: Sequence[int], pad_id: int, max_total_len: int,
                prompt_buckets: Sequence[int] = (), min_rows: int = 1, sampler=None):
     from sao_jax.models import sampler as sampler_lib  # pylint: disable=g-import-not-at-top
-    self._lib = sampler_lib
     self.stop_ids = tuple(int(i) for i in stop_ids)
     self.pad_id = int(pad_id)
     if sampler is None:
@@ -120,10 +113,6 @@ class SamplerBackend:
     """Uses `model`'s current weights from now on (same config; compiled programs are kept)."""
     self.sampler.update_weights(model)
 
-  def _params(self, decoding: Decoding):
-    return self._lib.SamplingParams(temperature=float(decoding.temperature), top_p=float(decoding.top_p),
-                                    top_k=int(decoding.top_k))
-
   def _fill(self, n: int) -> int:
     """Idle rows added so that every call has at least `min_rows` rows (a last, partial batch reuses the
     programs compiled for full ones); they have a budget of 0 and generate nothing."""
@@ -138,7 +127,7 @@ class SamplerBackend:
     n, fill = len(prompts), self._fill(len(prompts))
     out = self.sampler.generate(
         [list(p) for p in prompts] + [[self.pad_id]] * fill, max_new_tokens=list(budgets) + [0] * fill,
-        params=self._params(decoding), seeds=list(seeds) + [0] * fill, max_total_len=self.max_total_len,
+        params=decoding, seeds=list(seeds) + [0] * fill, max_total_len=self.max_total_len,
         keep_state=True)
     return self._rows(out, n), out.state
 
@@ -147,7 +136,7 @@ class SamplerBackend:
     fill = handle.batch_size - n
     out = self.sampler.continue_generation(
         handle, list(observations) + [None] * fill, max_new_tokens=list(budgets) + [0] * fill,
-        params=self._params(decoding), keep_state=True)
+        params=decoding, keep_state=True)
     rows = self._rows(out, n)
     return [None if obs is None else row for obs, row in zip(observations, rows)], out.state
 
