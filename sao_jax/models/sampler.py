@@ -11,20 +11,11 @@ programs:
   token per row per step and stops when every row has produced a stop token or used its budget. No host
   sync happens inside; the cache is donated and updated in place.
 
-Cache layout (`DecodeCache`): keys/values are one `[B, K, S, H]` array per layer (a tuple, so the per-step
-write is an in-place `dynamic_update_slice` at a *scalar* slot shared by all rows and attention is a plain
-batched matmul over `(b, k)`), `valid: bool[B, S]` marks slots holding a real token of the row (left padding,
-padding inside a continuation chunk and the steps of rows that already finished are holes), `index` is the
-next slot to write and `positions[b]` the RoPE position of the row's next token (slot != position).
-The query of a token in slot `i` attends to slots `s <= i` with `valid[b, s]`.
-
-Why not `Decoder.__call__(..., cache=KVCache)`: that path writes per-row offsets (a scatter into the stacked
-`[L, B, S, K, H]` cache) inside a `lax.scan` over layers, which XLA:CPU executes by copying the cache per
-layer; it was ~50x slower per decode step on SmolLM2-135M. This module computes the *same function* (same
-weights, RoPE tables and norms from `sao_jax.models.llama`) in a decode-shaped graph: fused q|k|v and
-gate|up matmuls, per-layer weights pre-split (no slicing of stacked weights per step), the lm head in
-`[D, V]` layout and only at the positions that are sampled. Tests check it against the Decoder's plain
-forward pass (log-probs of the finished sequences, greedy generations).
+The forward pass is `sao_jax.models.decode.forward` (the Decoder's one cached forward pass) on decode-layout
+weights (`decode.decode_weights`, recomputed by `update_weights`), with a `decode.DecodeCache`: a shared
+scalar write slot, per-row validity (left padding, padding inside a continuation chunk and the steps of rows
+that already finished are holes) and per-row RoPE positions. Tests check the sampler's log-probs against the
+Decoder's plain forward pass over the finished sequences and greedy generations against uncached greedy.
 
 Shapes are bucketed so that a run compiles a handful of programs: prompt / chunk lengths go up to the next
 of `prompt_buckets` (or a power of two), the number of new tokens to a power of two (>= `min_new_bucket`),
@@ -46,21 +37,18 @@ import functools
 import time
 from typing import Any, Sequence
 
-import chex
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 from flax import nnx
 
 from sao_jax.models import sampling
+from sao_jax.models.decode import (DecodeCache, DecodeWeights, decode_weights, forward, init_cache,
+                                   last_logits, resize_cache)
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.llama import apply_rope, rope_inv_freq, rope_tables
 from sao_jax.models.sampling import SamplingParams
 
 Array = jax.Array
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # Finite "-inf": fully masked rows stay NaN-free.
 
 
 class StopReason(enum.IntEnum):
@@ -68,210 +56,6 @@ class StopReason(enum.IntEnum):
   NOT_DONE = 0  # Still running (never returned by `generate`).
   STOP_TOKEN = 1  # Produced one of the stop tokens (it is the row's last generated token).
   BUDGET = 2  # Used its budget of new tokens (or had a budget of 0).
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Decode-ready weights and the cache.
-
-
-@flax.struct.dataclass
-class LayerWeights:
-  """One decoder block's weights in decode layout (compute dtype)."""
-  attn_norm: Array  # [D, 1]
-  wqkv: Array  # [(N + 2K) H, D]: q | k | v projections fused, [out, in].
-  bqkv: Array | None  # [(N + 2K) H, 1] (qkv_bias) or None.
-  q_norm: Array | None  # [H] (qk_norm) or None.
-  k_norm: Array | None  # [H]
-  wo: Array  # [D, N H]
-  mlp_norm: Array  # [D, 1]
-  w_gate_up: Array  # [2F, D]: gate | up fused.
-  w_down: Array  # [D, F]
-
-
-@flax.struct.dataclass
-class DecodeWeights:
-  """All weights of a Decoder, re-laid-out for decoding (see module docstring)."""
-  embed: Array  # [V, D] input embedding table.
-  layers: tuple[LayerWeights, ...]
-  final_norm: Array  # [D, 1]
-  unembed: Array  # [V, D] lm head (the embedding table itself when tied).
-
-
-@flax.struct.dataclass
-class DecodeCache:
-  """Per-layer KV cache with a shared write slot (see the module docstring).
-
-  Attributes:
-    k: per layer `[B, K, S, H]` keys (after RoPE).
-    v: per layer `[B, K, S, H]` values.
-    valid: bool `[B, S]`, True where the slot holds a real token of the row.
-    index: int32 scalar, next slot to write (the same for every row).
-    positions: int32 `[B]`, RoPE position of each row's next token (= number of real tokens so far).
-  """
-  k: tuple[Array, ...]
-  v: tuple[Array, ...]
-  valid: Array
-  index: Array
-  positions: Array
-
-  @property
-  def batch_size(self) -> int:
-    return self.valid.shape[0]
-
-  @property
-  def max_len(self) -> int:
-    return self.valid.shape[1]
-
-
-def _rms_norm(x: Array, scale: Array, eps: float, axis: int = -1) -> Array:
-  """x / sqrt(mean(x^2, axis) + eps) * scale in float32, cast back (as `llama.RMSNorm`)."""
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axis, keepdims=True) + eps)
-  return y.astype(x.dtype) * scale.astype(x.dtype)
-
-
-def decode_weights(model: nnx.Module) -> DecodeWeights:
-  """Re-lays-out a `Decoder`'s parameters for decoding (run under jit by `Sampler.update_weights`)."""
-  cfg: ModelConfig = model.cfg
-  dt = jnp.dtype(cfg.dtype)
-  d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  blocks = model.layers
-  attn, mlp = blocks.attn, blocks.mlp
-  cast = lambda x: x.astype(dt)
-  layers = []
-  for i in range(cfg.num_layers):
-    wqkv = jnp.concatenate([attn.q_proj.value[i].reshape(d, n * h), attn.k_proj.value[i].reshape(d, k * h),
-                            attn.v_proj.value[i].reshape(d, k * h)], axis=1).T
-    bqkv = None
-    if cfg.qkv_bias:
-      bqkv = cast(jnp.concatenate([attn.q_bias.value[i].reshape(-1), attn.k_bias.value[i].reshape(-1),
-                                   attn.v_bias.value[i].reshape(-1)])[:, None])
-    layers.append(LayerWeights(
-        attn_norm=blocks.attn_norm.scale.value[i][:, None],
-        wqkv=cast(wqkv), bqkv=bqkv,
-        q_norm=attn.q_norm.scale.value[i] if cfg.qk_norm else None,
-        k_norm=attn.k_norm.scale.value[i] if cfg.qk_norm else None,
-        wo=cast(attn.o_proj.value[i].reshape(n * h, d).T),
-        mlp_norm=blocks.mlp_norm.scale.value[i][:, None],
-        w_gate_up=cast(jnp.concatenate([mlp.gate_proj.value[i], mlp.up_proj.value[i]], axis=1).T),
-        w_down=cast(mlp.down_proj.value[i].T)))
-  w, layout = model.unembedding()
-  unembed = w if layout == 'vd' else w.T
-  return DecodeWeights(embed=cast(model.embed.embedding.value), layers=tuple(layers),
-                       final_norm=model.final_norm.scale.value[:, None], unembed=cast(unembed))
-
-
-def init_cache(cfg: ModelConfig, batch_size: int, max_len: int) -> DecodeCache:
-  """An empty cache: `batch_size` rows of `max_len` slots (compute dtype)."""
-  shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
-  dt = jnp.dtype(cfg.dtype)
-  return DecodeCache(
-      k=tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers)),
-      v=tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers)),
-      valid=jnp.zeros((batch_size, max_len), bool), index=jnp.zeros((), jnp.int32),
-      positions=jnp.zeros((batch_size,), jnp.int32))
-
-
-def _grow_cache(cache: DecodeCache, max_len: int) -> DecodeCache:
-  """The same cache with `max_len` slots (new slots empty)."""
-  pad = max_len - cache.max_len
-  grow = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))
-  return cache.replace(k=tuple(map(grow, cache.k)), v=tuple(map(grow, cache.v)),
-                       valid=jnp.pad(cache.valid, ((0, 0), (0, pad))))
-
-
-def forward_chunk(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens: Array,
-                  chunk_valid: Array, window: int | None = None) -> tuple[Array, DecodeCache]:
-  """Runs a chunk through the decoder, writing it into slots `[index, index + T)` of the cache.
-
-  Positions: `positions[b] + cumsum(chunk_valid[b]) - 1` on the real tokens. Token t of the chunk attends to
-  cache slots `s <= index + t` that are valid.
-
-  Args:
-    cfg: model config (static).
-    weights: decode weights.
-    cache: the cache; needs `index + T <= S` (the caller guarantees it).
-    tokens: int32 `[B, T]`.
-    chunk_valid: bool `[B, T]`, False on padding.
-    window: static; attend only over slots `[0, window)` (the caller guarantees `index + T <= window`). A
-      cache preallocated for a long episode then costs attention over the filled part only.
-
-  Returns:
-    `(hidden [D, B] (transposed) of the chunk's last position after the final norm, new cache)`.
-  """
-  b, t = tokens.shape
-  n, kh, g, h = cfg.num_heads, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
-  s = cache.max_len
-  dt = jnp.dtype(cfg.dtype)
-  positions = cache.positions[:, None] + jnp.cumsum(chunk_valid.astype(jnp.int32), axis=1) - 1
-  positions = jnp.maximum(positions, 0)
-  cos, sin = rope_tables(positions, rope_inv_freq(cfg))
-  valid = jax.lax.dynamic_update_slice(cache.valid, chunk_valid, (0, cache.index))
-  slots = jnp.arange(s, dtype=jnp.int32)
-  query_slots = cache.index + jnp.arange(t, dtype=jnp.int32)
-  mask = valid[:, None, :] & (slots[None, None, :] <= query_slots[None, :, None])  # [B, T, S]
-  window = s if window is None else min(window, s)
-  mask = mask[:, None, None, :, :window]  # [B, 1, 1, T, W]
-  # Orientation of the activations (static, by M = B * T). 'col': kept transposed, x [D, M], every weight
-  # matmul is W[out, in] @ x; 'row': x [M, D], x @ W^T. On XLA:CPU (2 cores, SmolLM2) 'col' is the fastest for
-  # M = 1 and M >= 8 (~1.4x over 'row' at M = 8 and 32) but ~2.5x slower for M = 2..4, where 'row' wins.
-  m = b * t
-  col = not 2 <= m < 8
-  f = cfg.mlp_dim
-  if col:
-    proj = lambda w, x: w @ x
-    take = lambda x, lo, hi: x[lo:hi]
-    vec = lambda v: v  # [E, 1] column vectors broadcast over M.
-    heads = lambda y, c: y.reshape(c, h, b, t).transpose(2, 3, 0, 1)  # [c H, M] -> [B, T, c, H]
-    att_eq, att_shape = 'bkgts,bksh->kghbt', (n * h, m)
-  else:
-    proj = lambda w, x: jnp.einsum('mi,oi->mo', x, w)
-    take = lambda x, lo, hi: x[:, lo:hi]
-    vec = lambda v: v.reshape(-1)
-    heads = lambda y, c: y.reshape(b, t, c, h)  # [M, c H] -> [B, T, c, H]
-    att_eq, att_shape = 'bkgts,bksh->btkgh', (m, n * h)
-  axis = 0 if col else -1
-  x = jnp.take(weights.embed, tokens.reshape(m), axis=0).astype(dt)
-  if col:
-    x = x.T
-  new_k, new_v = [], []
-  for i, lw in enumerate(weights.layers):
-    y = _rms_norm(x, vec(lw.attn_norm), cfg.norm_eps, axis=axis)
-    qkv = proj(lw.wqkv, y)
-    if lw.bqkv is not None:
-      qkv = qkv + vec(lw.bqkv)
-    q = heads(take(qkv, 0, n * h), n)
-    k = heads(take(qkv, n * h, (n + kh) * h), kh)
-    v = heads(take(qkv, (n + kh) * h, (n + 2 * kh) * h), kh)
-    if lw.q_norm is not None:
-      q, k = _rms_norm(q, lw.q_norm, cfg.norm_eps), _rms_norm(k, lw.k_norm, cfg.norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache = jax.lax.dynamic_update_slice(cache.k[i], k.transpose(0, 2, 1, 3).astype(cache.k[i].dtype),
-                                           (0, 0, cache.index, 0))
-    v_cache = jax.lax.dynamic_update_slice(cache.v[i], v.transpose(0, 2, 1, 3).astype(cache.v[i].dtype),
-                                           (0, 0, cache.index, 0))
-    new_k.append(k_cache)
-    new_v.append(v_cache)
-    q = q.reshape(b, t, kh, g, h)
-    k_att, v_att = (k_cache, v_cache) if window == s else (k_cache[:, :, :window], v_cache[:, :, :window])
-    scores = jnp.einsum('btkgh,bksh->bkgts', q, k_att.astype(dt), preferred_element_type=jnp.float32)
-    scores = jnp.where(mask, scores * (h ** -0.5), _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    att = jnp.einsum(att_eq, probs, v_att.astype(dt)).reshape(att_shape)
-    x = x + proj(lw.wo, att)
-    y = _rms_norm(x, vec(lw.mlp_norm), cfg.norm_eps, axis=axis)
-    gate_up = proj(lw.w_gate_up, y)
-    x = x + proj(lw.w_down, jax.nn.silu(take(gate_up, 0, f)) * take(gate_up, f, 2 * f))
-  last = x.reshape(-1, b, t)[:, :, -1] if col else x.reshape(b, t, -1)[:, -1].T  # [D, B]
-  hidden = _rms_norm(last, weights.final_norm, cfg.norm_eps, axis=0)
-  new_cache = DecodeCache(k=tuple(new_k), v=tuple(new_v), valid=valid, index=cache.index + t,
-                          positions=cache.positions + jnp.sum(chunk_valid, axis=1, dtype=jnp.int32))
-  return hidden, new_cache
-
-
-def _logits(weights: DecodeWeights, hidden_t: Array) -> Array:
-  """float32 [B, V] = (unembed [V, D] @ hidden_t [D, B])^T (the fast layout for a [V, D] table on CPU)."""
-  return jnp.dot(weights.unembed, hidden_t.astype(weights.unembed.dtype), preferred_element_type=jnp.float32).T
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -284,7 +68,7 @@ class _Static:
   params: SamplingParams
   stop_ids: tuple[int, ...]
   pad_id: int
-  window: int  # Attention window (slots) of this call's programs, see `forward_chunk`.
+  window: int  # Attention window (slots) of this call's programs, see `decode.forward`.
 
 
 def _select(st: _Static, logits: Array, seeds: Array, key_pos: Array, n_generated: Array,
@@ -313,8 +97,8 @@ def _is_stop(st: _Static, tokens: Array) -> Array:
 def _prefill_impl(st: _Static, weights: DecodeWeights, cache: DecodeCache, chunk: Array, chunk_valid: Array,
                   seeds: Array, budgets: Array, min_new: Array):
   """Writes the chunk, samples each row's first new token. Rows with budget 0 generate nothing."""
-  hidden, cache = forward_chunk(st.cfg, weights, cache, chunk, chunk_valid, st.window)
-  logits = _logits(weights, hidden)
+  hidden, cache = forward(st.cfg, weights, cache, chunk, chunk_valid, window=st.window)
+  logits = last_logits(weights, hidden)
   zeros = jnp.zeros_like(budgets)
   tok, lp, slp = _select(st, logits, seeds, cache.positions, zeros, min_new)
   active = budgets > 0
@@ -324,6 +108,13 @@ def _prefill_impl(st: _Static, weights: DecodeWeights, cache: DecodeCache, chunk
                                jnp.where(budgets <= 1, int(StopReason.BUDGET), int(StopReason.NOT_DONE))))
   tok = jnp.where(active, tok, st.pad_id)
   return cache, tok, jnp.where(active, lp, 0.0), jnp.where(active, slp, 0.0), reason.astype(jnp.int32)
+
+
+def decode_windows(window: int, *, granule: int = 64, max_segments: int = 8) -> tuple[int, ...]:
+  """Attention windows of the decode loop's segments: multiples of a granule (>= `granule`, at most
+  `max_segments` segments), ending at `window`. E.g. 288 -> (64, 128, 192, 256, 288)."""
+  g = max(granule, -(-window // max_segments))
+  return tuple(range(g, window, g)) + (window,)
 
 
 def _decode_impl(st: _Static, num_steps: int, weights: DecodeWeights, cache: DecodeCache, first_tok: Array,
@@ -338,14 +129,10 @@ def _decode_impl(st: _Static, num_steps: int, weights: DecodeWeights, cache: Dec
   lengths = active.astype(jnp.int32)
   done = first_reason != int(StopReason.NOT_DONE)
 
-  def cond(carry):
-    i, _, _, _, _, _, done, _, _ = carry
-    return (i < num_steps) & ~jnp.all(done)
-
-  def body(carry):
+  def step(carry):
     i, cache, tokens, lps, slps, lengths, done, reason, last = carry
-    hidden, cache = forward_chunk(st.cfg, weights, cache, last[:, None], ~done[:, None], st.window)
-    logits = _logits(weights, hidden)
+    hidden, cache = forward(st.cfg, weights, cache, last[:, None], ~done[:, None])
+    logits = last_logits(weights, hidden)
     tok, lp, slp = _select(st, logits, seeds, cache.positions, lengths, min_new)
     live = ~done
     tok = jnp.where(live, tok, st.pad_id)
@@ -359,8 +146,26 @@ def _decode_impl(st: _Static, num_steps: int, weights: DecodeWeights, cache: Dec
     last = jnp.where(live, tok, last)
     return i + 1, cache, tokens, lps, slps, lengths, done | stop | out_of_budget, reason, last
 
+  def running(carry):
+    i, cache, done = carry[0], carry[1], carry[6]
+    # A step writes slot `index` and attends over slots [0, index + 1): stop when the segment's cache is full.
+    return (i < num_steps) & ~jnp.all(done) & (cache.index < cache.max_len)
+
+  def segment(window, carry):
+    """Decodes while the filled slots fit in `window`, on a copy of the cache cut to `window` slots (attention
+    then reads only those; a slice of the full cache inside the loop would cost more than it saves)."""
+    cache = carry[1]
+    small = resize_cache(cache, window)
+    carry = jax.lax.while_loop(running, step, (carry[0], small) + carry[2:])
+    return (carry[0], resize_cache(carry[1], cache.max_len)) + carry[2:]
+
   carry = (jnp.ones((), jnp.int32), cache, tokens, lps, slps, lengths, done, first_reason, first_tok)
-  _, cache, tokens, lps, slps, lengths, _, reason, last = jax.lax.while_loop(cond, body, carry)
+  windows = decode_windows(st.window)
+  for window in windows[:-1]:  # Segments the episode has already passed (index >= window) are skipped.
+    carry = jax.lax.cond(running(carry) & (carry[1].index < window), functools.partial(segment, window),
+                         lambda c: c, carry)
+  carry = segment(windows[-1], carry) if windows[-1] < cache.max_len else jax.lax.while_loop(running, step, carry)
+  _, cache, tokens, lps, slps, lengths, _, reason, last = carry
   return cache, tokens, lps, slps, lengths, reason, last
 
 
@@ -454,7 +259,7 @@ class Sampler:
     # that `num_compiled` counts this sampler's programs only.
     fresh = functools.partial
     self._init_cache = jax.jit(fresh(init_cache), static_argnums=(0, 1, 2))
-    self._grow = jax.jit(fresh(_grow_cache), static_argnums=(1,), donate_argnums=(0,))
+    self._resize = jax.jit(fresh(resize_cache), static_argnums=(1,))  # Copies: nothing to donate.
     self._prefill = jax.jit(fresh(_prefill_impl), static_argnums=(0,), donate_argnums=(2,))
     self._decode = jax.jit(fresh(_decode_impl), static_argnums=(0, 1), donate_argnums=(3,))
     self.weights: DecodeWeights | None = None
@@ -473,9 +278,9 @@ class Sampler:
     self.weights = self._prepare(graphdef, state)
 
   def num_compiled(self) -> dict[str, int]:
-    """Number of compiled programs per jitted function (prefill, decode, cache init/grow)."""
+    """Number of compiled programs per jitted function (prefill, decode, cache init/resize)."""
     return {'prefill': self._prefill._cache_size(), 'decode': self._decode._cache_size(),
-            'init_cache': self._init_cache._cache_size(), 'grow_cache': self._grow._cache_size()}
+            'init_cache': self._init_cache._cache_size(), 'resize_cache': self._resize._cache_size()}
 
   # ---- Bucketing.
 
@@ -571,7 +376,7 @@ class Sampler:
     cache = state.cache
     need = int(jax.device_get(cache.index)) + t + n
     if need > cache.max_len:
-      cache = self._grow(cache, _next_pow2(need))
+      cache = self._resize(cache, _next_pow2(need))
     chunk, valid = self._left_pad(chunks, bp, t)
     out = self._run(cache, chunk, valid, state.seeds, budgets, n, params, min_new_tokens, b, keep_state,
                     time_prefill, need=need)

@@ -50,8 +50,8 @@ class DecoderTest(parameterized.TestCase):
     l2, cache = _step(model, toks[:, 8:], None, cache)
     outs.append(l2)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=2e-5, rtol=1e-5)
-    self.assertEqual(int(cache.end), t)
-    np.testing.assert_array_equal(cache.next_pos, [t] * b)
+    self.assertEqual(int(cache.index), t)
+    np.testing.assert_array_equal(cache.positions, [t] * b)
 
   def test_ragged_prompts_left_and_right_padding_in_cache(self):
     cfg = _tiny()
@@ -73,8 +73,8 @@ class DecoderTest(parameterized.TestCase):
       prompt, mask = jnp.stack(rows), jnp.stack(masks)
       cache = model.init_cache(3, 16)
       logits, cache = _step(model, prompt, mask, cache)
-      np.testing.assert_array_equal(cache.next_pos, lens)
-      self.assertEqual(int(cache.end), 6)
+      np.testing.assert_array_equal(cache.positions, lens)
+      self.assertEqual(int(cache.index), 6)
       for i, n in enumerate(lens):
         got = logits[i, 6 - n:] if side == 'left' else logits[i, :n]
         np.testing.assert_allclose(got, refs[i][:n], atol=2e-5, rtol=1e-5, err_msg=side)
@@ -88,8 +88,8 @@ class DecoderTest(parameterized.TestCase):
             continue
           if bool(m[i, 0]):
             np.testing.assert_allclose(out[i, 0], refs[i][n + j], atol=2e-5, rtol=1e-5, err_msg=f'{side} {i} {j}')
-      np.testing.assert_array_equal(cache.next_pos, [lens[0] + 3, lens[1] + 3, lens[2] + 2])
-      self.assertEqual(int(cache.end), 9)
+      np.testing.assert_array_equal(cache.positions, [lens[0] + 3, lens[1] + 3, lens[2] + 2])
+      self.assertEqual(int(cache.index), 9)
 
   def test_right_padded_batch_equals_rows_alone(self):
     cfg = _tiny(num_kv_heads=1)
@@ -131,7 +131,7 @@ class DecoderTest(parameterized.TestCase):
     toks = _tokens(cfg32, (2, 8))
     l32, l16 = _forward(m32, toks, None), _forward(m16, toks, None)
     self.assertEqual(l16.dtype, jnp.float32)
-    self.assertEqual(m16.init_cache(2, 4).k.dtype, jnp.bfloat16)
+    self.assertEqual(m16.init_cache(2, 4).dtype, jnp.bfloat16)
     np.testing.assert_allclose(l16, l32, atol=0.1)
     self.assertGreater(float(jnp.abs(l16 - l32).max()), 0.0)  # bf16 actually used.
 

@@ -12,7 +12,7 @@ from flax import nnx
 from sao_jax.models import sampling
 from sao_jax.models.config import get_model_config
 from sao_jax.models.llama import Decoder
-from sao_jax.models.sampler import Sampler, StopReason
+from sao_jax.models.sampler import Sampler, StopReason, decode_windows
 from sao_jax.models.sampling import SamplingParams
 
 _PROMPTS = ([5, 6, 7, 8, 9], [10, 11, 12], [13, 40, 41, 42, 43, 44, 45, 46, 47], [99])
@@ -247,7 +247,7 @@ class SamplerTest(parameterized.TestCase):
 
   def test_continuation_matches_forward_without_reprefill(self):
     sampler = _sampler()
-    grows = sampler.num_compiled()['grow_cache']
+    grows = sampler.num_compiled()['resize_cache']
     out1 = sampler.generate(_PROMPTS[:3], max_new_tokens=[6, 4, 5], seeds=5, keep_state=True, min_new_tokens=3,
                             max_total_len=64)
     self.assertEqual(out1.state.cache.max_len, 64)
@@ -256,14 +256,14 @@ class SamplerTest(parameterized.TestCase):
     out2 = sampler.continue_generation(out1.state, obs, max_new_tokens=7, keep_state=True)
     self.assertEqual(out2.lengths[2], 0)
     self.assertEqual(out2.state.cache.max_len, 64)  # <= 21 + 16 + 16 slots needed: no growth.
-    self.assertEqual(sampler.num_compiled()['grow_cache'], grows)
+    self.assertEqual(sampler.num_compiled()['resize_cache'], grows)
     # Only the new chunk (bucket 16) and the decode steps were written: the history was not re-run.
     steps2 = int(out2.lengths.max())
     self.assertEqual(int(out2.state.cache.index), index1 + 16 + steps2 - 1)
     obs3 = [[30, 31], [32, 33, 34, 35], [36]]  # Row 2 comes back.
     out3 = sampler.continue_generation(out2.state, obs3, max_new_tokens=[3, 9, 4], keep_state=True)
     self.assertEqual(out3.state.cache.max_len, 128)  # >= 34 + 16 + 16 > 64 slots needed: grown.
-    self.assertEqual(sampler.num_compiled()['grow_cache'], grows + 1)
+    self.assertEqual(sampler.num_compiled()['resize_cache'], grows + 1)
     for b in range(3):
       seq = list(_PROMPTS[b])
       turns = []
@@ -278,6 +278,27 @@ class SamplerTest(parameterized.TestCase):
         ref = logp[np.arange(start - 1, start - 1 + len(gen)), gen]
         np.testing.assert_allclose(lps, ref, atol=3e-5, err_msg=f'row {b}')
 
+  def test_long_decode_runs_window_segments_and_matches_forward(self):
+    # 100 new tokens after a 16-token prompt bucket: the decode loop runs in attention-window segments
+    # (64, 128, 144 slots here); then a continuation starts decoding past the first segment (it is skipped).
+    self.assertEqual(decode_windows(144), (64, 128, 144))
+    self.assertEqual(decode_windows(288), (64, 128, 192, 256, 288))
+    self.assertEqual(decode_windows(4096), tuple(range(512, 4097, 512)))
+    sampler = _sampler()
+    prompts = [list(p) for p in _PROMPTS[:3]]
+    out1 = sampler.generate(prompts, max_new_tokens=[100, 70, 5], seeds=3, min_new_tokens=100, keep_state=True,
+                            max_total_len=256)
+    np.testing.assert_array_equal(out1.lengths, [100, 70, 5])
+    self._check_against_forward(prompts, out1, params=None)
+    obs = [[20, 21], [22], [23, 24, 25]]
+    out2 = sampler.continue_generation(out1.state, obs, max_new_tokens=10, min_new_tokens=10)
+    np.testing.assert_array_equal(out2.lengths, [10, 10, 10])
+    for b in range(3):
+      seq = prompts[b] + out1.token_lists()[b] + obs[b]
+      gen = out2.token_lists()[b]
+      ref = _log_softmax(_full_logits(seq + gen, padded_len=256))[np.arange(len(seq) - 1, len(seq) + 9), gen]
+      np.testing.assert_allclose(out2.logprobs[b, :10], ref, atol=3e-5, err_msg=f'row {b}')
+
   def test_bucketing_bounds_compiles(self):
     sampler = Sampler(_model(), stop_ids=(3,), pad_id=0, prompt_buckets=(8, 16))
     self.assertEqual([sampler.batch_bucket(b) for b in (1, 2, 3, 4, 5, 9)], [1, 2, 4, 4, 8, 16])
@@ -286,7 +307,7 @@ class SamplerTest(parameterized.TestCase):
     # Batch 3..4 -> bucket 4; prompt 1..16 -> {8, 16}; new tokens 0..16 -> {16}: 2 shapes.
     for length in (8, 16):
       sampler.generate([[5] * length] * 4, max_new_tokens=2)
-    expected = {'prefill': 2, 'decode': 2, 'init_cache': 2, 'grow_cache': 0}
+    expected = {'prefill': 2, 'decode': 2, 'init_cache': 2, 'resize_cache': 0}
     self.assertEqual(sampler.num_compiled(), expected)
     rng = np.random.default_rng(0)
     for _ in range(6):
