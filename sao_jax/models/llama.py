@@ -165,7 +165,34 @@ class MLP(nnx.Module):
     dt = x.dtype
     gate = jnp.einsum('btd,df->btf', x, self.gate_proj[...].astype(dt))
     up = jnp.einsum('btd,df->btf', x, self.up_proj[...].astype(dt))
-    return jnp.einsum('btf,fd->btd', jax.nn.silu(gate) * up, self.down_proj[...].astype(dt))
+    return jnp.einsum('btf,fd->btd', swiglu(gate, up), self.down_proj[...].astype(dt))
+
+
+@jax.custom_vjp
+def swiglu(gate: Array, up: Array) -> Array:
+  """silu(gate) * up, with a backward pass that reuses the forward's sigmoid.
+
+  d up = g * silu(gate),  d gate = g * up * s * (1 + gate * (1 - s)),  s = sigmoid(gate).
+  Saving s keeps exp out of the backward: XLA:CPU fuses the backward's elementwise math into the transposes
+  that feed the weight-gradient matmuls, and with a sigmoid inside that fusion it ran ~10x slower than with
+  multiplies only (~9% of a bench-25m train step).
+  """
+  return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate: Array, up: Array):
+  s = jax.nn.sigmoid(gate)
+  return gate * s * up, (gate, up, s)
+
+
+def _swiglu_bwd(res, g: Array):
+  gate, up, s = res
+  d_up = g * (gate * s)
+  d_gate = g * up * (s * (1 + gate * (1 - s)))
+  return d_gate, d_up
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class Embedder(nnx.Module):

@@ -32,9 +32,12 @@ def token_logprobs_from_logits(logits: Array, tokens: Array, *, temperature: flo
   """log_softmax(logits[:, t-1] / temperature)[tokens[:, t]] for t >= 1, 0 at t = 0. float32 [B, T]."""
   chex.assert_rank(logits, 3)
   chex.assert_equal_shape_prefix((logits, tokens), 2)
-  z = logits[:, :-1].astype(jnp.float32) / temperature
-  target = jnp.take_along_axis(z, tokens[:, 1:, None], axis=-1)[..., 0]
-  return _shift_pad(target - jax.nn.logsumexp(z, axis=-1))
+  # Work on all T positions (target of position t: tokens[t + 1]; the last one is dropped afterwards) rather
+  # than on logits[:, :-1]: slicing would copy the [B, T, V] logits (and pad them again in the backward pass).
+  z = logits.astype(jnp.float32) / temperature
+  nxt = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+  lp = jnp.take_along_axis(z, nxt[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(z, axis=-1)
+  return _shift_pad(lp[:, :-1])
 
 
 def entropy_from_logits(logits: Array, *, temperature: float = 1.0) -> Array:

@@ -124,6 +124,14 @@ class DecoderTest(parameterized.TestCase):
       np.testing.assert_allclose(value, results[0][0], rtol=1e-5)
       jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4), grads, results[0][1])
 
+  def test_swiglu_custom_gradient_equals_autodiff(self):
+    g, u, w = (jax.random.normal(jax.random.key(i), (3, 5, 7)) * 3 for i in range(3))
+    fused = jax.grad(lambda g, u: jnp.sum(llama.swiglu(g, u) * w), argnums=(0, 1))(g, u)
+    plain = jax.grad(lambda g, u: jnp.sum(jax.nn.silu(g) * u * w), argnums=(0, 1))(g, u)
+    np.testing.assert_allclose(llama.swiglu(g, u), jax.nn.silu(g) * u, rtol=1e-6, atol=1e-6)
+    for a, b in zip(fused, plain):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
   def test_bfloat16_compute_keeps_float32_params_and_logits(self):
     cfg32, cfg16 = _tiny(), _tiny(dtype='bfloat16')
     m32, m16 = llama.Decoder(cfg32, rngs=nnx.Rngs(4)), llama.Decoder(cfg16, rngs=nnx.Rngs(4))
