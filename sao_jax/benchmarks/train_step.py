@@ -1,9 +1,12 @@
 r"""Train-step throughput and model FLOP utilisation (MFU) of the decoder on this machine.
 
-  python -m sao_jax.benchmarks.train_step [--model=bench-25m --batch=16 --seq=512 --steps=5 --loss=chunked]
+  python -m sao_jax.benchmarks.train_step [--model=bench-25m --batch=16 --seq=512 --steps=5 --loss=chunked
+                                           --microbatches=4]
 
-One step = forward + backward + AdamW update of a next-token cross-entropy loss, jitted, params and optimizer
-state donated. Reported:
+One step = forward + backward + AdamW update of a next-token cross-entropy loss over the whole batch, jitted,
+params and optimizer state donated. By default the batch's gradient is accumulated over 4 microbatches of 4
+sequences (`lax.scan`; one AdamW update per step, as without accumulation): on this 2-core CPU the smaller
+activations stay in cache and the step is ~1.35x faster than `--microbatches=1`. Reported:
 
   tokens/s = batch * seq / step_time
   model FLOP/s = tokens/s * flops_per_token,  flops_per_token = 6 * N_matmul + 12 * L * N_heads * H * seq / 2
@@ -35,6 +38,8 @@ _LOSS = flags.DEFINE_enum('loss', 'full', ['full', 'chunked'],
                           "'full': logits [B,T,V] + log_softmax; 'chunked': models.logprobs.token_logprobs.")
 _REMAT = flags.DEFINE_bool('remat', False, 'Rematerialise blocks.')
 _SCAN = flags.DEFINE_bool('scan_layers', False, 'lax.scan over layers (default: unrolled, 7 layers compile fast).')
+_MICRO = flags.DEFINE_integer(
+    'microbatches', 4, 'Gradient accumulation over this many microbatches per step (1 = the whole batch at once).')
 _DTYPE = flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'], 'Compute dtype.')
 
 
@@ -55,8 +60,12 @@ def matmul_peak(sizes=(2048, 4096), reps: int = 3) -> tuple[float, dict[int, flo
   return max(per.values()), per
 
 
-def make_step(model: llama.Decoder, tx: optax.GradientTransformation, loss_kind: str):
-  """A jitted, donated (params, opt_state, tokens) -> (params, opt_state, loss) AdamW step."""
+def make_step(model: llama.Decoder, tx: optax.GradientTransformation, loss_kind: str, microbatches: int = 1):
+  """A jitted, donated (params, opt_state, tokens) -> (params, opt_state, loss) AdamW step.
+
+  With `microbatches` = m > 1 the batch is split into m microbatches whose gradients are accumulated in a
+  `lax.scan` (same update as the whole batch at once, smaller activations) before the one AdamW update.
+  """
   graphdef, params = nnx.split(model, nnx.Param)
 
   def loss_fn(params, tokens):
@@ -67,8 +76,21 @@ def make_step(model: llama.Decoder, tx: optax.GradientTransformation, loss_kind:
       lp = logprobs.token_logprobs_from_logits(m(tokens), tokens)
     return -jnp.mean(lp[:, 1:])
 
+  def grad_fn(params, tokens):
+    if microbatches == 1:
+      return jax.value_and_grad(loss_fn)(params, tokens)
+    mbs = tokens.reshape(microbatches, -1, *tokens.shape[1:])
+
+    def accumulate(acc, mb):
+      loss, grads = jax.value_and_grad(loss_fn)(params, mb)
+      return jax.tree.map(jnp.add, acc, (loss, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    total, _ = jax.lax.scan(accumulate, zeros, mbs)
+    return jax.tree.map(lambda x: x / microbatches, total)
+
   def step(params, opt_state, tokens):
-    loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+    loss, grads = grad_fn(params, tokens)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -81,12 +103,12 @@ def main(argv):
   b, t = _BATCH.value, _SEQ.value
   print(f'devices: {jax.devices()}  model {cfg.name}: {cfg.num_params() / 1e6:.1f}M params '
         f'(L={cfg.num_layers} D={cfg.embed_dim} N={cfg.num_heads} K={cfg.num_kv_heads} F={cfg.mlp_dim} '
-        f'V={cfg.vocab_size}), batch {b} x {t}, loss={_LOSS.value}, remat={cfg.remat}, '
+        f'V={cfg.vocab_size}), batch {b} x {t} in {_MICRO.value} microbatches, loss={_LOSS.value}, remat={cfg.remat}, '
         f'scan={cfg.scan_layers}, dtype={cfg.dtype}')
   peak0, per0 = matmul_peak()
   model = llama.Decoder(cfg, rngs=nnx.Rngs(0))
   tx = optax.adamw(1e-4, weight_decay=0.01)
-  step, params = make_step(model, tx, _LOSS.value)
+  step, params = make_step(model, tx, _LOSS.value, _MICRO.value)
   opt_state = tx.init(params)
   tokens = jax.random.randint(jax.random.key(2), (b, t), 0, cfg.vocab_size, jnp.int32)
   t0 = time.perf_counter()
@@ -107,11 +129,11 @@ def main(argv):
   best_s = float(np.min(times))
   fpt = cfg.flops_per_token(t)
   tok_s = b * t / step_s
-  print(f'matmul peak float32: ' + ', '.join(f'{n}^2: {max(per0[n], per1[n]) / 1e9:.1f} GFLOP/s' for n in per0))
+  print('matmul peak float32: ' + ', '.join(f'{n}^2: {max(per0[n], per1[n]) / 1e9:.1f} GFLOP/s' for n in per0))
   print(f'first call (compile + step): {compile_s:.1f} s; loss {float(loss):.3f}')
   print(f'step time median {step_s * 1e3:.0f} ms (best {best_s * 1e3:.0f} ms) over {len(times)} steps')
   print(f'model FLOPs per token: {fpt / 1e6:.1f} MFLOP')
-  print(f'| model | batch x seq | tokens/s | model GFLOP/s | peak GFLOP/s | MFU (median) | MFU (best step) |')
+  print('| model | batch x seq | tokens/s | model GFLOP/s | peak GFLOP/s | MFU (median) | MFU (best step) |')
   print(f'| {cfg.name} | {b} x {t} | {tok_s:,.0f} | {tok_s * fpt / 1e9:.1f} | {peak / 1e9:.1f} | '
         f'{tok_s * fpt / peak:.1%} | {b * t / best_s * fpt / peak:.1%} |')
 
