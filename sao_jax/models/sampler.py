@@ -17,6 +17,12 @@ scalar write slot, per-row validity (left padding, padding inside a continuation
 that already finished are holes) and per-row RoPE positions. Tests check the sampler's log-probs against the
 Decoder's plain forward pass over the finished sequences and greedy generations against uncached greedy.
 
+Attention reads only the filled part of the cache: the decode loop runs in segments (`decode_windows`: 288
+slots -> 64, 128, 192, 256, 288), each a `lax.while_loop` on a copy of the cache cut to the segment's window
+(a static shape; a slice of the full cache inside the loop costs XLA:CPU more than it saves), padded back
+afterwards. Segments an episode has already passed run no step. At 256 new tokens this cuts the attention
+reads by ~35% for the price of a few cache copies per call.
+
 Shapes are bucketed so that a run compiles a handful of programs: prompt / chunk lengths go up to the next
 of `prompt_buckets` (or a power of two), the number of new tokens to a power of two (>= `min_new_bucket`),
 the batch to a power of two (padding rows generate nothing) and the cache length S = prompt bucket + new
@@ -164,7 +170,10 @@ def _decode_impl(st: _Static, num_steps: int, weights: DecodeWeights, cache: Dec
   for window in windows[:-1]:  # Segments the episode has already passed (index >= window) are skipped.
     carry = jax.lax.cond(running(carry) & (carry[1].index < window), functools.partial(segment, window),
                          lambda c: c, carry)
-  carry = segment(windows[-1], carry) if windows[-1] < cache.max_len else jax.lax.while_loop(running, step, carry)
+  if windows[-1] < cache.max_len:
+    carry = segment(windows[-1], carry)
+  else:
+    carry = jax.lax.while_loop(running, step, carry)
   _, cache, tokens, lps, slps, lengths, _, reason, last = carry
   return cache, tokens, lps, slps, lengths, reason, last
 
