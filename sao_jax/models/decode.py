@@ -172,21 +172,23 @@ def _rms_norm(x: Array, scale: Array, eps: float, axis: int = -1) -> Array:
 def _attend_one(q: Array, k_cache: Array, v_cache: Array, mask: Array, scale: float) -> Array:
   """Single-token attention as multiply-reduce passes: q [B, K, G, H], k [B, K, H, W], v [B, K, W, H],
   mask bool [B, W] -> [B, K, G, H]."""
-  dt = q.dtype
-  scores = jnp.sum(q.astype(jnp.float32)[..., None] * k_cache.astype(jnp.float32)[:, :, None], axis=-2)
+  f32 = jnp.float32  # Both reductions accumulate in float32 (no-op casts for float32 compute).
+  scores = jnp.sum(q.astype(f32)[..., None] * k_cache.astype(f32)[:, :, None], axis=-2)
   scores = jnp.where(mask[:, None, None, :], scores * scale, _MASK_VALUE)  # [B, K, G, W]
-  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-  return jnp.sum(probs[..., None] * v_cache.astype(dt)[:, :, None], axis=-2)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).astype(f32)  # Rounded as in `_attend_chunk`.
+  return jnp.sum(probs[..., None] * v_cache.astype(f32)[:, :, None], axis=-2).astype(q.dtype)
 
 
 def _attend_chunk(q: Array, k_cache: Array, v_cache: Array, mask: Array, scale: float) -> Array:
   """Chunk attention as batched matmuls: q [B, T, K, G, H], k [B, K, H, W], v [B, K, W, H],
   mask bool [B, T, W] -> [B, T, K, G, H]."""
-  dt = q.dtype
-  scores = jnp.einsum('btkgh,bkhs->bkgts', q, k_cache.astype(dt), preferred_element_type=jnp.float32)
+  dt, f32 = q.dtype, jnp.float32
+  # float32 products from float32 operands (XLA:CPU has no bf16 x bf16 -> f32 kernel for these dots; for
+  # float32 compute the casts are no-ops).
+  scores = jnp.einsum('btkgh,bkhs->bkgts', q.astype(f32), k_cache.astype(f32))
   scores = jnp.where(mask[:, None, None], scores * scale, _MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-  return jnp.einsum('bkgts,bksh->btkgh', probs, v_cache.astype(dt))
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt).astype(f32)
+  return jnp.einsum('bkgts,bksh->btkgh', probs, v_cache.astype(f32)).astype(dt)
 
 
 def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens: Array, valid: Array, *,
@@ -289,5 +291,6 @@ def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens
 
 def last_logits(weights: DecodeWeights, hidden_t: Array) -> Array:
   """float32 `[B, V]` logits from the transposed last hidden states `[D, B]` (`unembed @ hidden_t`, the
-  fast layout for a `[V, D]` table on CPU)."""
-  return jnp.dot(weights.unembed, hidden_t.astype(weights.unembed.dtype), preferred_element_type=jnp.float32).T
+  fast layout for a `[V, D]` table on CPU). Operands are upcast to float32 (no-ops for float32 compute): with
+  bfloat16 ones XLA:CPU rewrites this dot into a bf16 x bf16 -> f32 kernel it does not have."""
+  return jnp.dot(weights.unembed.astype(jnp.float32), hidden_t.astype(jnp.float32)).T

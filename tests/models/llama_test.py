@@ -141,6 +141,12 @@ class DecoderTest(parameterized.TestCase):
     self.assertEqual(l16.dtype, jnp.float32)
     self.assertEqual(m16.init_cache(2, 4).dtype, jnp.bfloat16)
     np.testing.assert_allclose(l16, l32, atol=0.1)
+    # The cached path in bfloat16 (prefill 5, then one token at a time) stays as close to float32.
+    cache, outs = m16.init_cache(2, 8), []
+    for lo, hi in ((0, 5), (5, 6), (6, 7), (7, 8)):
+      out, cache = _step(m16, toks[:, lo:hi], None, cache)
+      outs.append(out)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), l32, atol=0.1)
     self.assertGreater(float(jnp.abs(l16 - l32).max()), 0.0)  # bf16 actually used.
 
   def test_every_param_has_logical_axes_and_attn_filter_selects_attention(self):

@@ -299,6 +299,18 @@ class SamplerTest(parameterized.TestCase):
       ref = _log_softmax(_full_logits(seq + gen, padded_len=256))[np.arange(len(seq) - 1, len(seq) + 9), gen]
       np.testing.assert_allclose(out2.logprobs[b, :10], ref, atol=3e-5, err_msg=f'row {b}')
 
+  def test_bfloat16_model_samples_with_logprobs_close_to_its_forward(self):
+    model = Decoder(get_model_config('tiny', dtype='bfloat16', qkv_bias=True), rngs=nnx.Rngs(1))
+    prompts = [list(p) for p in _PROMPTS[:2]]
+    out = Sampler(model, stop_ids=(3,), pad_id=0).generate(prompts, max_new_tokens=8, min_new_tokens=8, seeds=2)
+    np.testing.assert_array_equal(out.lengths, [8, 8])
+    forward = jax.jit(lambda x: nnx.merge(*nnx.split(model))(x))
+    for b, prompt in enumerate(prompts):
+      seq = prompt + out.token_lists()[b]
+      logits = np.asarray(forward(jnp.asarray([seq], jnp.int32))[0], np.float32)
+      ref = _log_softmax(logits)[np.arange(len(prompt) - 1, len(seq) - 1), out.token_lists()[b]]
+      np.testing.assert_allclose(out.logprobs[b, :8], ref, atol=0.1)
+
   def test_bucketing_bounds_compiles(self):
     sampler = Sampler(_model(), stop_ids=(3,), pad_id=0, prompt_buckets=(8, 16))
     self.assertEqual([sampler.batch_bucket(b) for b in (1, 2, 3, 4, 5, 9)], [1, 2, 4, 4, 8, 16])
