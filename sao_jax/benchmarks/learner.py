@@ -22,13 +22,13 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from flax import nnx
 
 from configs import base
 from sao_jax import parallel
+from sao_jax.benchmarks.common import matmul_peak
 from sao_jax.learner import Learner
 from sao_jax.models import Decoder, get_model_config
 from sao_jax.types import Batch
@@ -54,20 +54,6 @@ def synthetic_batch(rows: int, seq: int, prompt: int, vocab: int, group: int, se
   return Batch(tokens=tokens, action_mask=action, behavior_logprobs=blp, rewards=rewards,
                truncated=np.zeros(rows, bool), group_ids=(np.arange(rows) // group).astype(np.int32),
                row_mask=np.ones(rows, np.float32), policy_version=np.zeros(rows, np.int32))
-
-
-def matmul_peak(sizes=(2048, 4096), reps: int = 3) -> float:
-  """Best float32 FLOP/s of a jitted `jnp.dot` on n x n matrices (2 n^3 FLOPs), this run, this machine."""
-  best = 0.0
-  for n in sizes:
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    f = jax.jit(jnp.dot)
-    f(a, a).block_until_ready()
-    for _ in range(reps):
-      t0 = time.perf_counter()
-      f(a, a).block_until_ready()
-      best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
-  return best
 
 
 def _config(algo: str, rows: int, group: int, devices: int):
@@ -131,7 +117,7 @@ def main(argv):
       1: fpt_critic * (2 + 2 / 3),
       2: fpt,
   }
-  peak = matmul_peak() if _PEAK.value else None
+  peak = matmul_peak()[0] if _PEAK.value else None
   print(f'\n{"program":<74} {"compile+1st s":>13} {"step s":>8} {"tokens/s":>9} {"GFLOP/s":>8} {"MFU":>6}')
   medians = []
   for i, (name, (first, med, _)) in enumerate(runs.items()):

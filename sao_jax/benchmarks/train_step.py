@@ -27,6 +27,7 @@ import optax
 from absl import app, flags
 from flax import nnx
 
+from sao_jax.benchmarks.common import matmul_peak
 from sao_jax.models import config as config_lib
 from sao_jax.models import llama, logprobs
 
@@ -41,23 +42,6 @@ _SCAN = flags.DEFINE_bool('scan_layers', False, 'lax.scan over layers (default: 
 _MICRO = flags.DEFINE_integer(
     'microbatches', 4, 'Gradient accumulation over this many microbatches per step (1 = the whole batch at once).')
 _DTYPE = flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'], 'Compute dtype.')
-
-
-def matmul_peak(sizes=(2048, 4096), reps: int = 3) -> tuple[float, dict[int, float]]:
-  """Best float32 FLOP/s of jitted jnp.dot(a, b) on n x n matrices (2 n^3 FLOPs)."""
-  per = {}
-  for n in sizes:
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    f = jax.jit(jnp.dot)
-    f(a, b).block_until_ready()
-    best = float('inf')
-    for _ in range(reps):
-      t0 = time.perf_counter()
-      f(a, b).block_until_ready()
-      best = min(best, time.perf_counter() - t0)
-    per[n] = 2 * n ** 3 / best
-  return max(per.values()), per
 
 
 def make_step(model: llama.Decoder, tx: optax.GradientTransformation, loss_kind: str, microbatches: int = 1):
@@ -101,6 +85,8 @@ def main(argv):
   del argv
   cfg = config_lib.get_model_config(_MODEL.value, remat=_REMAT.value, scan_layers=_SCAN.value, dtype=_DTYPE.value)
   b, t = _BATCH.value, _SEQ.value
+  if _MICRO.value < 1 or b % _MICRO.value:
+    raise app.UsageError(f'--microbatches={_MICRO.value} must be >= 1 and divide --batch={b}.')
   print(f'devices: {jax.devices()}  model {cfg.name}: {cfg.num_params() / 1e6:.1f}M params '
         f'(L={cfg.num_layers} D={cfg.embed_dim} N={cfg.num_heads} K={cfg.num_kv_heads} F={cfg.mlp_dim} '
         f'V={cfg.vocab_size}), batch {b} x {t} in {_MICRO.value} microbatches, loss={_LOSS.value}, remat={cfg.remat}, '
