@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.rope import apply_rope, default_positions, rope_inv_freq, rope_tables
+from sao_jax.models.layers import apply_rope, default_positions, rms_norm, rope_inv_freq, rope_tables
 
 Array = jax.Array
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # Finite "-inf": fully masked rows stay NaN-free.
@@ -118,7 +118,9 @@ def resize_cache(cache: DecodeCache, max_len: int) -> DecodeCache:
   """The same cache with `max_len` slots: new slots are empty; cutting drops the slots >= max_len (the
   caller guarantees they are empty, i.e. `index <= max_len`)."""
   pad = max_len - cache.max_len
-  if pad <= 0:
+  if pad == 0:
+    return cache
+  if pad < 0:
     return cache.replace(k=tuple(x[..., :max_len] for x in cache.k), v=tuple(x[:, :, :max_len] for x in cache.v),
                          valid=cache.valid[:, :max_len])
   grow_k = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, pad)))
@@ -160,13 +162,6 @@ def decode_weights(model: nnx.Module) -> DecodeWeights:
 
 # ---------------------------------------------------------------------------------------------------------
 # Forward pass.
-
-
-def _rms_norm(x: Array, scale: Array, eps: float, axis: int = -1) -> Array:
-  """x / sqrt(mean(x^2, axis) + eps) * scale in float32, cast back (as `llama.RMSNorm`)."""
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axis, keepdims=True) + eps)
-  return y.astype(x.dtype) * scale.astype(x.dtype)
 
 
 def _attend_one(q: Array, k_cache: Array, v_cache: Array, mask: Array, scale: float) -> Array:
@@ -251,7 +246,7 @@ def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens
   zero = jnp.zeros((), jnp.int32)
   new_k, new_v = [], []
   for i, lw in enumerate(weights.layers):
-    y = _rms_norm(x, vec(lw.attn_norm), cfg.norm_eps, axis=axis)
+    y = rms_norm(x, vec(lw.attn_norm), cfg.norm_eps, axis=axis)
     qkv = proj(lw.wqkv, y)
     if lw.bqkv is not None:
       qkv = qkv + vec(lw.bqkv)
@@ -259,7 +254,7 @@ def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens
     k = heads(take(qkv, n * h, (n + kh) * h), kh)
     v = heads(take(qkv, (n + kh) * h, (n + 2 * kh) * h), kh)
     if lw.q_norm is not None:
-      q, k = _rms_norm(q, lw.q_norm, cfg.norm_eps), _rms_norm(k, lw.k_norm, cfg.norm_eps)
+      q, k = rms_norm(q, lw.q_norm, cfg.norm_eps), rms_norm(k, lw.k_norm, cfg.norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache = jax.lax.dynamic_update_slice(cache.k[i], k.transpose(0, 2, 3, 1).astype(cache.k[i].dtype),
                                            (zero, zero, zero, cache.index))
@@ -274,15 +269,15 @@ def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens
     else:
       att = _attend_chunk(q.reshape(b, t, kh, g, h), k_cache, v_cache, mask, scale)
     x = x + proj(lw.wo, merge(att.reshape(b, t, n, h)))
-    y = _rms_norm(x, vec(lw.mlp_norm), cfg.norm_eps, axis=axis)
+    y = rms_norm(x, vec(lw.mlp_norm), cfg.norm_eps, axis=axis)
     gate_up = proj(lw.w_gate_up, y)
     x = x + proj(lw.w_down, jax.nn.silu(take(gate_up, 0, f)) * take(gate_up, f, 2 * f))
   if all_positions:
     x = x.T if col else x
-    hidden = _rms_norm(x.reshape(b, t, -1), weights.final_norm[:, 0], cfg.norm_eps)
+    hidden = rms_norm(x.reshape(b, t, -1), weights.final_norm[:, 0], cfg.norm_eps)
   else:
     last = x.reshape(-1, b, t)[:, :, -1] if col else x.reshape(b, t, -1)[:, -1].T  # [D, B]
-    hidden = _rms_norm(last, weights.final_norm, cfg.norm_eps, axis=0)
+    hidden = rms_norm(last, weights.final_norm, cfg.norm_eps, axis=0)
   last_pos = jnp.max(jnp.where(valid, positions, -1), axis=-1)
   new_cache = DecodeCache(k=tuple(new_k), v=tuple(new_v), valid=slot_valid, index=cache.index + t,
                           positions=jnp.maximum(cache.positions, last_pos + 1))

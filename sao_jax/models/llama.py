@@ -54,7 +54,7 @@ from flax import nnx
 
 from sao_jax.models import decode
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.rope import apply_rope, default_positions, rope_inv_freq, rope_tables
+from sao_jax.models.layers import apply_rope, default_positions, rms_norm, rope_inv_freq, rope_tables
 
 Array = jax.Array
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # Finite "minus infinity" (no NaN on fully masked rows).
@@ -86,9 +86,7 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x: Array) -> Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-    return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
+    return rms_norm(x, self.scale[...], self.eps)
 
 
 class Attention(nnx.Module):

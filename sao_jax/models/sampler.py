@@ -170,10 +170,7 @@ def _decode_impl(st: _Static, num_steps: int, weights: DecodeWeights, cache: Dec
   for window in windows[:-1]:  # Segments the episode has already passed (index >= window) are skipped.
     carry = jax.lax.cond(running(carry) & (carry[1].index < window), functools.partial(segment, window),
                          lambda c: c, carry)
-  if windows[-1] < cache.max_len:
-    carry = segment(windows[-1], carry)
-  else:
-    carry = jax.lax.while_loop(running, step, carry)
+  carry = segment(windows[-1], carry)  # Runs on the whole cache when the window is the whole cache.
   _, cache, tokens, lps, slps, lengths, _, reason, last = carry
   return cache, tokens, lps, slps, lengths, reason, last
 

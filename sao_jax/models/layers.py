@@ -1,4 +1,7 @@
-"""Rotary position embeddings (RoPE) and default token positions, shared by the plain and the cached forward."""
+"""Math shared by the plain forward (`llama`) and the cached forward (`decode`): RMSNorm, RoPE, positions.
+
+One definition each, so that the two forward passes compute the same function (tests compare them).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,13 @@ import numpy as np
 from sao_jax.models.config import ModelConfig
 
 Array = jax.Array
+
+
+def rms_norm(x: Array, scale: Array, eps: float, axis: int = -1) -> Array:
+  """x / sqrt(mean(x^2, axis) + eps) * scale, computed in float32 and cast back (HF casting order)."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axis, keepdims=True) + eps)
+  return y.astype(x.dtype) * scale.astype(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
