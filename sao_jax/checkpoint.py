@@ -33,6 +33,7 @@ import jax
 from flax import nnx
 import orbax.checkpoint as ocp
 
+from sao_jax.errors import ConfigError
 from sao_jax.models.config import ModelConfig
 
 ARRAY_ITEMS = ('policy', 'critic', 'optimizer')
@@ -148,13 +149,12 @@ class Checkpointer:
   def from_config(cls, config: Any, directory: str | None = None, **kwargs) -> Checkpointer:
     """A checkpointer in `directory` (default `<config.workdir>/checkpoints`) keeping
     `config.trainer.keep_checkpoints` checkpoints."""
-    from sao_jax import config_lib  # pylint: disable=g-import-not-at-top
     keep = int(config.trainer.keep_checkpoints)
     if keep < 1:
-      raise config_lib.ConfigError(f'config.trainer.keep_checkpoints={keep}: must be >= 1.')
+      raise ConfigError(f'config.trainer.keep_checkpoints={keep}: must be >= 1.')
     if directory is None:
       if not config.workdir:
-        raise config_lib.ConfigError("config.workdir='' : checkpoints need a work directory (--workdir).")
+        raise ConfigError("config.workdir='' : checkpoints need a work directory (--workdir).")
       directory = os.path.join(config.workdir, 'checkpoints')
     return cls(directory, keep=keep, **kwargs)
 

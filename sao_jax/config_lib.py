@@ -4,13 +4,12 @@ from typing import Any
 
 import ml_collections
 
+from sao_jax.envs import registry
+from sao_jax.errors import ConfigError
+from sao_jax.losses.common import AGGREGATIONS
+from sao_jax.losses.policy import CLIP_MODES
+
 ALGOS = ('sao', 'ppo', 'grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo')
-CLIP_MODES = ('double_side', 'ppo', 'dual_clip', 'gspo')
-AGGS = ('token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum')
-
-
-class ConfigError(ValueError):
-  """A config value that cannot work; the message names the field."""
 
 
 def _get(config: ml_collections.ConfigDict, path: str) -> Any:
@@ -36,7 +35,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   a = config.algo
   _one_of(config, 'algo.name', ALGOS)
   _one_of(config, 'algo.clip_mode', CLIP_MODES)
-  _one_of(config, 'algo.agg', AGGS)
+  _one_of(config, 'algo.agg', AGGREGATIONS)
   _one_of(config, 'algo.behavior_correction', ('none', 'tis', 'icepop'))
   _one_of(config, 'algo.advantages_from', ('updated_critic', 'pre_update'))
   _one_of(config, 'algo.truncation', ('bootstrap', 'drop'))
@@ -94,6 +93,5 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(tr.max_staleness >= 0, 'trainer.max_staleness', tr.max_staleness, 'must be >= 0.')
   del m
 
-  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top  (envs imports this module)
   registry.validate_task_config(config)  # Task name, limits, kwargs, data files (loads no data).
   return config

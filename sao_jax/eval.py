@@ -507,7 +507,7 @@ def _progress(total: int, desc: str, enabled: bool):
 
 def load_model_and_tokenizer(config, *, checkpoint: str | None, hf_model: str | None, step: int | None = None):
   """The policy and its tokenizer from a checkpoint directory or an HF model directory (exactly one)."""
-  from sao_jax.models import tokenizers  # pylint: disable=g-import-not-at-top
+  from sao_jax import tokenizers  # pylint: disable=g-import-not-at-top
   if bool(checkpoint) == bool(hf_model):
     raise ValueError('Pass exactly one of --checkpoint=DIR (a sao_jax checkpoint directory) or '
                      '--hf_model=DIR (an HF model directory with config.json and *.safetensors).')

@@ -26,7 +26,7 @@ from sao_jax.envs import registry
 from sao_jax.models import hf_io
 from sao_jax.models.config import get_model_config
 from sao_jax.models.llama import Decoder
-from sao_jax.models.tokenizers import CharTokenizer
+from sao_jax.tokenizers import CharTokenizer
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -30,26 +30,9 @@ from absl import logging
 import numpy as np
 
 from sao_jax import types
+from sao_jax.tokenizers import Tokenizer
 
 Message = dict[str, str]
-
-
-@runtime_checkable
-class Tokenizer(Protocol):
-  """The tokenizer protocol of `sao_jax.models.tokenizers` (see API.md); envs only use this much."""
-  eos_id: int
-  pad_id: int
-  stop_ids: tuple[int, ...]
-
-  def encode(self, text: str) -> list[int]:
-    ...
-
-  def decode(self, ids: Sequence[int]) -> str:
-    ...
-
-  def apply_chat_template(self, messages: list[dict], *,
-                          add_generation_prompt: bool) -> tuple[list[int], list[bool]]:
-    ...
 
 
 @dataclasses.dataclass(frozen=True)

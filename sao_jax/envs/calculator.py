@@ -18,7 +18,7 @@ import dataclasses
 import re
 import numpy as np
 
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 from sao_jax.envs import answers
 from sao_jax.envs import arith
 from sao_jax.envs import base

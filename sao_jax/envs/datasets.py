@@ -17,7 +17,7 @@ from typing import Any
 from absl import logging
 import numpy as np
 
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 from sao_jax.envs import base
 
 SPLIT_SEED = 0x5EED  # The eval/train split is fixed by this seed, not by the training seed.

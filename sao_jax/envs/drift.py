@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 from sao_jax.envs import arith
 from sao_jax.envs import base
 from sao_jax.envs import registry

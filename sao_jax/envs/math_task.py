@@ -16,7 +16,7 @@ import dataclasses
 import os
 from typing import Any
 
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 from sao_jax.envs import base
 from sao_jax.envs import datasets
 from sao_jax.envs import registry

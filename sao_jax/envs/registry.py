@@ -17,7 +17,7 @@ from typing import Any
 
 import ml_collections
 
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 from sao_jax.envs import base
 
 # Built-in tasks and the module that registers each (imported lazily, so `import sao_jax.envs` stays light).

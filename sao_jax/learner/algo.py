@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 
 CRITIC_ALGOS = ('sao', 'ppo')
 GROUP_ALGOS = ('grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo')

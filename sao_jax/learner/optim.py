@@ -11,7 +11,7 @@ from typing import Any
 
 import optax
 
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 
 
 def make_schedule(optim_config: Any, peak_lr: float) -> optax.Schedule:

@@ -291,7 +291,7 @@ def _special_ids(meta: Mapping[str, Any], tok, chat_template: str | None):
 def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
   """Reads and dequantizes a llama-architecture GGUF file into HF form (see the module docstring)."""
   from gguf import GGUFReader  # pylint: disable=g-import-not-at-top
-  from sao_jax.models import tokenizers as tokenizers_lib  # pylint: disable=g-import-not-at-top
+  from sao_jax import tokenizers as tokenizers_lib  # pylint: disable=g-import-not-at-top
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f'GGUF file {path} not found.')

@@ -15,7 +15,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding
 
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 from sao_jax.parallel import sharding as sharding_lib
 
 ENV_COORDINATOR = 'SAO_COORDINATOR_ADDRESS'

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')

@@ -23,7 +23,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 from sao_jax.parallel.mesh import BATCH_AXES
 
 Rules = Sequence[tuple[str, Any]]

@@ -27,7 +27,7 @@ from absl import app, flags
 from flax import nnx
 
 from sao_jax.models import hf_io
-from sao_jax.models import tokenizers as tok_lib
+from sao_jax import tokenizers as tok_lib
 
 _HF_DIR = flags.DEFINE_string('hf_dir', '/tmp/smollm2-hf', 'HF directory written by sao_jax.tools.convert_gguf.')
 _GGUF = flags.DEFINE_string('gguf', '', 'The GGUF file, for the comparisons with transformers\' GGUF loader.')

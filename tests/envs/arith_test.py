@@ -7,7 +7,7 @@ from absl.testing import parameterized
 import ml_collections
 
 from sao_jax import envs
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 from sao_jax.envs import answers
 from sao_jax.envs import arith
 from sao_jax.envs import calculator

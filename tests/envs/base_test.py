@@ -10,7 +10,7 @@ import numpy as np
 from sao_jax import envs
 from sao_jax.envs import base
 from sao_jax.envs import calculator
-from sao_jax.models.tokenizers import CharTokenizer
+from sao_jax.tokenizers import CharTokenizer
 
 
 def _scripted(tok, texts, *, stop=True, logprob=-0.25):

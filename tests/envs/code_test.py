@@ -9,9 +9,9 @@ from absl.testing import parameterized
 import numpy as np
 
 from sao_jax import envs
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 from sao_jax.envs import code
-from sao_jax.models.tokenizers import CharTokenizer
+from sao_jax.tokenizers import CharTokenizer
 
 _FAST = {'timeout_s': 3.0, 'per_test_timeout_s': 0.5, 'cpu_s': 2, 'memory_mb': 256}
 

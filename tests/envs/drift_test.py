@@ -4,7 +4,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from sao_jax import envs
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 from sao_jax.envs import answers
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from sao_jax import envs
 from sao_jax.envs import evaluation
-from sao_jax.models.tokenizers import CharTokenizer
+from sao_jax.tokenizers import CharTokenizer
 
 
 def _brute_pass_at_k(n, c, k):

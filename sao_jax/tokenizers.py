@@ -37,6 +37,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from absl import logging
 
+from sao_jax.errors import ConfigError
+
 Message = Mapping[str, Any]
 
 # ChatML, used when a model directory carries no template but its vocabulary has the ChatML tokens.
@@ -49,7 +51,7 @@ CHATML_TEMPLATE = (
 
 @runtime_checkable
 class Tokenizer(Protocol):
-  """What every tokenizer of the package provides (see API.md)."""
+  """What every tokenizer of the package provides; envs, rollout and eval use only this."""
 
   vocab_size: int
   bos_id: int | None
@@ -429,10 +431,8 @@ def get_tokenizer(name_or_config: Any, hf_dir: str | None = None) -> CharTokeniz
     return CharTokenizer()
   if name == 'hf':
     if not hf_dir:
-      from sao_jax import config_lib  # pylint: disable=g-import-not-at-top
-      raise config_lib.ConfigError(f"{field}='hf' needs config.model.hf_dir (a directory with tokenizer.json).")
+      raise ConfigError(f"{field}='hf' needs config.model.hf_dir (a directory with tokenizer.json).")
     return HFTokenizer.from_dir(hf_dir)
   if os.path.isdir(name):
     return HFTokenizer.from_dir(name)
-  from sao_jax import config_lib  # pylint: disable=g-import-not-at-top
-  raise config_lib.ConfigError(f"{field}={name!r}: expected 'char', 'hf' or a tokenizer directory.")
+  raise ConfigError(f"{field}={name!r}: expected 'char', 'hf' or a tokenizer directory.")

@@ -1,4 +1,4 @@
-"""Tests of sao_jax.models.tokenizers: char vocabulary, HF wrapper, chat templates and assistant masks."""
+"""Tests of sao_jax.tokenizers: char vocabulary, HF wrapper, chat templates and assistant masks."""
 
 import json
 import os
@@ -10,7 +10,7 @@ from tokenizers import pre_tokenizers
 from configs import base as base_config
 from sao_jax import config_lib
 from sao_jax.models import gguf_io
-from sao_jax.models import tokenizers as tok_lib
+from sao_jax import tokenizers as tok_lib
 
 # SmolLM2-Instruct's template (as in its GGUF): inserts a default system prompt when there is none.
 SMOL_TEMPLATE = (
