@@ -118,6 +118,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   tr.mode = 'async'  # 'sync' (generate then train, on-policy) or 'async' (sampler threads + queue).
   tr.batch_size = 16  # Trajectories per learner step.
   tr.minibatch_size = 0  # Trajectories per optimizer step inside a learner step (0 = whole batch).
+  tr.microbatch_size = 0  # Rows per gradient-accumulation chunk of one optimizer step (0 = the whole minibatch).
   tr.policy_epochs = 1  # Passes of policy updates over a batch.
   tr.num_steps = 100  # Learner steps to run.
   tr.max_staleness = 4  # Drop trajectories whose params version lags the learner by more than this.

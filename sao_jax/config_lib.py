@@ -90,6 +90,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f'must be a multiple of algo.group_size={a.group_size} (whole groups per batch).')
   _check(tr.minibatch_size == 0 or tr.batch_size % tr.minibatch_size == 0, 'trainer.minibatch_size',
          tr.minibatch_size, f'must divide trainer.batch_size={tr.batch_size} (or be 0).')
+  mb = tr.minibatch_size or tr.batch_size
+  _check(tr.microbatch_size >= 0 and (tr.microbatch_size == 0 or mb % tr.microbatch_size == 0),
+         'trainer.microbatch_size', tr.microbatch_size,
+         f'must divide the minibatch ({mb} rows: trainer.minibatch_size, or trainer.batch_size when 0), or be 0.')
   _check(tr.max_staleness >= 0, 'trainer.max_staleness', tr.max_staleness, 'must be >= 0.')
   del m
 

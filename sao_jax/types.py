@@ -67,6 +67,19 @@ class Trajectory:
     return int(idx[-1]) if idx.size else -1
 
 
+# The one list of `Batch` fields: name -> (rank, host dtype). Packing, device placement and shardings use it.
+BATCH_FIELDS: dict[str, tuple[int, type]] = {
+    'tokens': (2, np.int32),
+    'action_mask': (2, np.float32),
+    'behavior_logprobs': (2, np.float32),
+    'rewards': (2, np.float32),
+    'truncated': (1, np.bool_),
+    'group_ids': (1, np.int32),
+    'row_mask': (1, np.float32),
+    'policy_version': (1, np.int32),
+}
+
+
 @flax.struct.dataclass
 class Batch:
   """A padded learner batch; every field has leading dim B (rows), `[B, T]` ones are right-padded.
@@ -93,3 +106,13 @@ class Batch:
   @property
   def shape(self) -> tuple[int, int]:
     return self.tokens.shape
+
+  @classmethod
+  def of_host(cls, batch: Any) -> Batch:
+    """A `Batch` of numpy arrays with the dtypes of `BATCH_FIELDS`, from any object with those attributes."""
+    return cls(**{k: np.asarray(getattr(batch, k), dtype) for k, (_, dtype) in BATCH_FIELDS.items()})
+
+  @classmethod
+  def map_fields(cls, fn) -> Batch:
+    """A `Batch` whose field `k` is `fn(k, rank)` (e.g. one sharding per field)."""
+    return cls(**{k: fn(k, rank) for k, (rank, _) in BATCH_FIELDS.items()})

@@ -58,6 +58,7 @@ class StepConfig:
   kl_estimator: str
   entropy_coef: float
   minibatch_size: int
+  microbatch_size: int
   policy_epochs: int
 
   @property
@@ -87,4 +88,5 @@ class StepConfig:
         behavior_correction=a.behavior_correction, tis_cap=float(a.tis_cap), icepop_low=float(a.icepop_low),
         icepop_high=float(a.icepop_high), kl_coef=float(a.kl_coef), kl_estimator=a.kl_estimator,
         entropy_coef=float(a.entropy_coef), minibatch_size=int(tr.minibatch_size),
+        microbatch_size=int(tr.get('microbatch_size', 0)),
         policy_epochs=int(tr.policy_epochs))

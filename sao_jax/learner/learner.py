@@ -123,7 +123,7 @@ class Learner:
       fn = steps_lib.make_sao_step(cfg, self.policy_spec, self.critic_spec, self.mesh, self.ref_graphdef)
     else:
       fn = steps_lib.make_group_step(cfg, self.policy_spec, self.mesh, self.ref_graphdef)
-    batch_sh = Batch(*(parallel.batch_sharding(self.mesh, n) for n in (2, 2, 2, 2, 1, 1, 1, 1)))
+    batch_sh = Batch.map_fields(lambda _, rank: parallel.batch_sharding(self.mesh, rank))
     self._step_fn = jax.jit(fn, in_shardings=(self.state_shardings, batch_sh, ref_sh),
                             out_shardings=(self.state_shardings, rep), donate_argnums=(0,))
     self._batch_shardings = batch_sh
@@ -142,9 +142,7 @@ class Learner:
     leaves = jax.tree.leaves(batch)
     if all(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
       return batch
-    dtypes = dict(tokens=np.int32, action_mask=np.float32, behavior_logprobs=np.float32, rewards=np.float32,
-                  truncated=bool, group_ids=np.int32, row_mask=np.float32, policy_version=np.int32)
-    local = Batch(**{k: np.asarray(getattr(batch, k), dtypes[k]) for k in dtypes})
+    local = Batch.of_host(batch)
     parallel.sharding.check_batch_rows(local.tokens.shape[0] * jax.process_count(), self.mesh,
                                        'batch rows (config.trainer.batch_size)')
     if not self.step_config.uses_critic:
