@@ -50,6 +50,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # ---- Optimizers (actor and critic have their own).
   c.optim = o = ml_collections.ConfigDict()
+  o.optimizer = 'adamw'  # adamw, or sgd (p <- p - lr * g: no moments; for reference checks).
   o.actor_lr = 1e-6  # Peak learning rate of the policy (SAO: 1e-6).
   o.critic_lr = 5e-6  # Peak learning rate of the value model (SAO: 5e-6).
   o.schedule = 'constant'  # After warmup: constant or cosine (decay to lr * end_lr_factor).

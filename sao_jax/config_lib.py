@@ -63,6 +63,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            'temperature 1, top_p 1, top_k 0 (the sampler records log-probs at temperature 1).')
 
   o = config.optim
+  _one_of(config, 'optim.optimizer', ('adamw', 'sgd'))
   _check(o.actor_lr >= 0.0, 'optim.actor_lr', o.actor_lr, 'must be >= 0.')
   _check(o.critic_lr >= 0.0, 'optim.critic_lr', o.critic_lr, 'must be >= 0.')
   _one_of(config, 'optim.schedule', ('constant', 'cosine'))

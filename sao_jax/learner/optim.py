@@ -1,4 +1,4 @@
-"""Optimizers from `config.optim`: AdamW, linear warmup then constant or cosine, global-norm clipping.
+"""Optimizers from `config.optim`: AdamW (or plain SGD), linear warmup then constant or cosine, global-norm clipping.
 
 The actor and the critic each get their own optimizer (SAO: actor 1e-6, critic 5e-6). Which leaves an
 optimizer sees is decided by the train state (`sao_jax.learner.state`): frozen leaves are split off
@@ -38,11 +38,23 @@ def make_schedule(optim_config: Any, peak_lr: float) -> optax.Schedule:
   return optax.join_schedules([optax.linear_schedule(0.0, peak_lr, warmup), after], [warmup])
 
 
+OPTIMIZERS = ('adamw', 'sgd')
+
+
 def make_optimizer(optim_config: Any, peak_lr: float) -> optax.GradientTransformation:
-  """`clip_by_global_norm(grad_clip)` (when > 0) then AdamW with `make_schedule`."""
+  """`clip_by_global_norm(grad_clip)` (when > 0) then AdamW (or SGD: `p <- p - lr * g`) with `make_schedule`.
+
+  SGD makes an update linear in the gradient, which is what the reference-step tests need to pin the loss.
+  """
   o = optim_config
-  adamw = optax.adamw(make_schedule(o, peak_lr), b1=float(o.b1), b2=float(o.b2), eps=float(o.eps),
-                      weight_decay=float(o.weight_decay))
+  name = o.get('optimizer', 'adamw')
+  if name == 'adamw':
+    tx = optax.adamw(make_schedule(o, peak_lr), b1=float(o.b1), b2=float(o.b2), eps=float(o.eps),
+                     weight_decay=float(o.weight_decay))
+  elif name == 'sgd':
+    tx = optax.sgd(make_schedule(o, peak_lr))
+  else:
+    raise ConfigError(f'config.optim.optimizer={name!r} is not one of {list(OPTIMIZERS)}.')
   if o.grad_clip > 0:
-    return optax.chain(optax.clip_by_global_norm(float(o.grad_clip)), adamw)
-  return adamw
+    return optax.chain(optax.clip_by_global_norm(float(o.grad_clip)), tx)
+  return tx
