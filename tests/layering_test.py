@@ -1,0 +1,129 @@
+"""The package's rooms depend downward only (docs/design.md, Layout).
+
+Every `import` of every module of `sao_jax` (lazy ones inside functions included) is read with `ast` and
+checked against `ALLOWED`: which rooms of the package a room may import, and which third-party packages it
+must not. A new top-level room fails here until it is placed in the table, so the layering is a decision,
+not an accident.
+"""
+
+import ast
+import os
+import tempfile
+
+from absl.testing import absltest
+
+PACKAGE = 'sao_jax'
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PACKAGE)
+
+_BASE = {'errors', 'types', 'losses', 'tokenizers'}
+_BELOW_LOOP = _BASE | {'envs', 'models', 'parallel', 'rollout', 'learner', 'checkpoint', 'metrics'}
+
+# room -> rooms of the package it may import (besides itself).
+ALLOWED = {
+    'errors': set(),
+    'types': set(),
+    'losses': set(),
+    'sim': set(),
+    'tokenizers': {'errors'},
+    'envs': {'errors', 'tokenizers'},
+    'parallel': {'errors', 'types'},
+    'models': {'errors', 'types', 'losses', 'parallel', 'tokenizers'},
+    'metrics': {'errors', 'parallel'},
+    'checkpoint': {'errors', 'types', 'models', 'parallel'},
+    'rollout': _BASE | {'envs', 'models', 'parallel'},
+    'learner': _BASE | {'models', 'parallel'},
+    'config_lib': _BELOW_LOOP,
+    'eval': _BELOW_LOOP | {'config_lib'},
+    'trainer': _BELOW_LOOP | {'config_lib', 'eval'},
+    'main': {'errors', 'config_lib', 'trainer', 'parallel'},
+    'benchmarks': _BELOW_LOOP | {'config_lib', 'eval', 'trainer', 'sim'},
+    'tools': _BELOW_LOOP | {'config_lib'},
+    'experiments': _BELOW_LOOP | {'config_lib', 'eval', 'trainer', 'sim'},
+}
+
+_DEVICE_LIBS = {'jax', 'jaxlib', 'flax', 'optax', 'chex', 'orbax', 'tensorstore'}
+# room -> third-party top-level packages it must not import.
+FORBIDDEN_THIRD_PARTY = {
+    'envs': _DEVICE_LIBS,
+    'tokenizers': _DEVICE_LIBS,
+    'errors': _DEVICE_LIBS,
+    'sim': _DEVICE_LIBS,
+}
+
+
+def _room(module: str) -> str:
+  """'sao_jax.envs.base' -> 'envs'; 'sao_jax.eval' -> 'eval'."""
+  parts = module.split('.')
+  return parts[1] if len(parts) > 1 else ''
+
+
+def _modules():
+  for dirpath, _, files in os.walk(ROOT):
+    for name in sorted(files):
+      if name.endswith('.py'):
+        path = os.path.join(dirpath, name)
+        rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, '.')
+        if rel.endswith('.__init__'):
+          rel = rel[:-len('.__init__')]
+        yield rel, path
+
+
+def _imports(path: str, module: str, is_package: bool):
+  """Absolute names of everything `path` imports (lazy imports too); relative imports resolved."""
+  with open(path, encoding='utf-8') as f:
+    tree = ast.parse(f.read(), path)
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        yield alias.name, node.lineno
+    elif isinstance(node, ast.ImportFrom):
+      if node.level:
+        base = module.split('.')
+        base = base[:len(base) - node.level + (1 if is_package else 0)]
+        prefix = '.'.join(base + ([node.module] if node.module else []))
+      else:
+        prefix = node.module or ''
+      yield prefix, node.lineno
+      if prefix == PACKAGE:  # `from sao_jax import envs` imports the room `envs`.
+        for alias in node.names:
+          yield f'{PACKAGE}.{alias.name}', node.lineno
+
+
+class LayeringTest(absltest.TestCase):
+
+  def test_every_room_is_placed(self):
+    rooms = {_room(m) for m, _ in _modules()} - {''}
+    self.assertEmpty(rooms - set(ALLOWED), 'new rooms of sao_jax: place them in ALLOWED (tests/layering_test.py)')
+
+  def test_rooms_import_downward_only(self):
+    bad = []
+    for module, path in _modules():
+      room = _room(module)
+      if not room:
+        continue
+      for name, line in _imports(path, module, path.endswith('__init__.py')):
+        top = name.split('.')[0]
+        if top == PACKAGE:
+          target = _room(name)
+          if target and target != room and target not in ALLOWED.get(room, set()):
+            bad.append(f'{path}:{line}: {room} imports {name} ({target} is not below {room})')
+        elif top in FORBIDDEN_THIRD_PARTY.get(room, ()):
+          bad.append(f'{path}:{line}: {room} imports {name} ({room} must not use {top})')
+    self.assertEmpty(bad, '\n'.join(bad))
+
+  def test_the_checker_sees_violations(self):
+    """The walker resolves both import forms, so a violation cannot hide behind `from sao_jax import x`."""
+    with tempfile.TemporaryDirectory() as tmp:
+      path = os.path.join(tmp, 'm.py')
+      with open(path, 'w', encoding='utf-8') as f:
+        f.write('import jax\nfrom sao_jax import trainer\nfrom sao_jax.models import llama\n'
+                'def f():\n  from . import sibling\n')
+      names = [n for n, _ in _imports(path, 'sao_jax.envs.m', False)]
+    self.assertIn('jax', names)
+    self.assertIn('sao_jax.trainer', names)
+    self.assertIn('sao_jax.models', names)
+    self.assertIn('sao_jax.envs', names)
+
+
+if __name__ == '__main__':
+  absltest.main()
