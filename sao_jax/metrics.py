@@ -1,0 +1,236 @@
+"""Run metrics: `WORKDIR/metrics.jsonl`, TensorBoard events, optional wandb, and the console progress line.
+
+    writer = MetricsWriter(workdir, resume_step=restored_step)   # drops rows past a restored checkpoint
+    writer.write(step, {'reward_mean': 0.4, 'learner/loss': ...})
+    progress = Progress(total_steps=config.trainer.num_steps, start_step=restored_step)
+    logging.info(progress.line(step, metrics))
+    writer.close()
+
+`metrics.jsonl` holds one JSON object per learner step, `{"step": s, ...}`, each step exactly once across
+resumes: opening a writer with `resume_step=s` first drops every row with `step > s` (rows written after the
+checkpoint the run resumed from). Non-finite floats are written as `null` (JSON has no NaN). Only process 0
+writes; on other processes the writer does nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import numbers
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from absl import logging
+import jax
+import numpy as np
+import tensorboardX
+
+METRICS_FILE = 'metrics.jsonl'
+
+
+def _scalar(value: Any) -> float | int | bool | str | None:
+  """A JSON value for one metric: Python numbers as they are, numpy/jax scalars converted, non-finite -> None."""
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  if value is None or isinstance(value, str):
+    return value
+  if isinstance(value, numbers.Integral):
+    return int(value)
+  value = float(np.asarray(value))
+  return value if math.isfinite(value) else None
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+  """The rows of `WORKDIR/metrics.jsonl` (a torn last line, from a killed process, is skipped)."""
+  path = os.path.join(workdir, METRICS_FILE)
+  if not os.path.exists(path):
+    return []
+  rows = []
+  with open(path, encoding='utf-8') as f:
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return rows
+
+
+def truncate_metrics(workdir: str, last_step: int) -> int:
+  """Drops rows with `step > last_step` (and torn lines) from `WORKDIR/metrics.jsonl`; returns rows dropped.
+
+  The file is rewritten to a temporary file and renamed over the old one, so a kill leaves one or the other.
+  """
+  path = os.path.join(workdir, METRICS_FILE)
+  if not os.path.exists(path):
+    return 0
+  with open(path, encoding='utf-8') as f:
+    lines = f.readlines()
+  kept = []
+  for line in lines:
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if int(row.get('step', -1)) <= last_step:
+      kept.append(line if line.endswith('\n') else line + '\n')
+  dropped = len(lines) - len(kept)
+  if dropped:
+    tmp = path + '.tmp'
+    with open(tmp, 'w', encoding='utf-8') as f:
+      f.writelines(kept)
+    os.replace(tmp, path)
+  return dropped
+
+
+class MetricsWriter:
+  """Writes one row per step to `metrics.jsonl`, TensorBoard (`WORKDIR/tensorboard`) and optionally wandb.
+
+  Args:
+    workdir: the run's directory.
+    resume_step: the step restored from a checkpoint: rows past it are dropped first (None = a fresh run,
+      whose existing rows, if any, are kept).
+    tensorboard: also write TensorBoard event files.
+    wandb_project: log to this wandb project too ('' = off; needs the `wandb` package).
+    config: the run's config, recorded by wandb.
+  """
+
+  def __init__(self, workdir: str, *, resume_step: int | None = None, tensorboard: bool = True,
+               wandb_project: str = '', config: Mapping[str, Any] | None = None):
+    self.workdir = workdir
+    self.enabled = jax.process_index() == 0
+    self._file = None
+    self._tb = None
+    self._wandb = None
+    if not self.enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    if resume_step is not None:
+      dropped = truncate_metrics(workdir, resume_step)
+      if dropped:
+        logging.info('metrics.jsonl: dropped %d row(s) past the restored step %d.', dropped, resume_step)
+    self._file = open(os.path.join(workdir, METRICS_FILE), 'a', encoding='utf-8')
+    if tensorboard:
+      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, 'tensorboard'),
+                                            purge_step=None if resume_step is None else resume_step + 1)
+    if wandb_project:
+      import wandb  # pylint: disable=g-import-not-at-top  (optional dependency)
+      self._wandb = wandb.init(project=wandb_project, dir=workdir, config=dict(config or {}), resume='allow')
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+    """Appends the row `{"step": step, **metrics}` (flushed, so a kill loses at most this row)."""
+    if not self.enabled:
+      return
+    row = {'step': int(step)}
+    row.update((k, _scalar(v)) for k, v in metrics.items())
+    self._file.write(json.dumps(row, sort_keys=False) + '\n')
+    self._file.flush()
+    if self._tb is not None:
+      for k, v in row.items():
+        if k != 'step' and isinstance(v, (int, float)) and not isinstance(v, bool):
+          self._tb.add_scalar(k, v, global_step=step)
+    if self._wandb is not None:
+      self._wandb.log({k: v for k, v in row.items() if v is not None}, step=int(step))
+
+  def flush(self) -> None:
+    if self._file is not None:
+      self._file.flush()
+    if self._tb is not None:
+      self._tb.flush()
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+    if self._wandb is not None:
+      self._wandb.finish()
+      self._wandb = None
+
+  def __enter__(self) -> MetricsWriter:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+class RateMeter:
+  """Events per second over a sliding window of the last `window` seconds (e.g. tokens/s of the actors).
+
+  `add(n)` records n events now; `rate()` is (events in the window) / (time the window spans).
+  """
+
+  def __init__(self, window: float = 60.0, clock=time.monotonic):
+    self.window = float(window)
+    self._clock = clock
+    self._events: collections.deque[tuple[float, float]] = collections.deque()
+    self._start = clock()
+    self.total = 0.0
+
+  def add(self, n: float) -> None:
+    now = self._clock()
+    self._events.append((now, float(n)))
+    self.total += float(n)
+    self._trim(now)
+
+  def _trim(self, now: float) -> None:
+    while self._events and self._events[0][0] <= now - self.window:
+      self._events.popleft()
+
+  def rate(self) -> float:
+    now = self._clock()
+    self._trim(now)
+    span = min(self.window, now - self._start)
+    return sum(n for _, n in self._events) / span if span > 0 else 0.0
+
+
+def format_duration(seconds: float) -> str:
+  """'1h02m', '3m05s', '42s'; '?' when unknown."""
+  if not math.isfinite(seconds) or seconds < 0:
+    return '?'
+  s = int(round(seconds))
+  if s >= 3600:
+    return f'{s // 3600}h{s % 3600 // 60:02d}m'
+  if s >= 60:
+    return f'{s // 60}m{s % 60:02d}s'
+  return f'{s}s'
+
+
+class Progress:
+  """The console progress line: step, reward, accuracy, tokens/s and the ETA from recent step times.
+
+  The ETA is (steps left) x (mean wall time of the last `window` steps), so a slow start (compiles) does not
+  inflate it for the rest of the run.
+  """
+
+  def __init__(self, total_steps: int, *, start_step: int = 0, window: int = 20, clock=time.monotonic):
+    self.total_steps = int(total_steps)
+    self._clock = clock
+    self._times: collections.deque[tuple[int, float]] = collections.deque(maxlen=window + 1)
+    self._times.append((int(start_step), clock()))
+
+  def seconds_per_step(self) -> float:
+    if len(self._times) < 2:
+      return math.nan
+    (s0, t0), (s1, t1) = self._times[0], self._times[-1]
+    return (t1 - t0) / (s1 - s0) if s1 > s0 else math.nan
+
+  def line(self, step: int, metrics: Mapping[str, Any]) -> str:
+    """Records that `step` just finished and returns its line."""
+    self._times.append((int(step), self._clock()))
+    eta = self.seconds_per_step() * (self.total_steps - step)
+    parts = [f'step {step}/{self.total_steps}']
+    for key, label, fmt in (('reward_mean', 'reward', '.3f'), ('eval_accuracy', 'acc', '.3f'),
+                            ('actor/tokens_per_s', 'actor tok/s', '.0f'),
+                            ('learner/tokens_per_s', 'learner tok/s', '.0f'),
+                            ('staleness/mean', 'lag', '.2f')):
+      value = metrics.get(key)
+      if value is not None and math.isfinite(float(value)):
+        parts.append(f'{label} {float(value):{fmt}}')
+    parts.append(f'{self.seconds_per_step():.2f}s/step' if math.isfinite(self.seconds_per_step()) else '?s/step')
+    parts.append(f'ETA {format_duration(eta)}')
+    return ' | '.join(parts)
