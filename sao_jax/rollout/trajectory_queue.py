@@ -1,0 +1,191 @@
+"""The bounded queue between actor threads and the learner: staleness filter, whole groups, dynamic sampling.
+
+Actors `put` finished work as *items*: one trajectory for SAO / PPO (single rollouts, taken as they arrive),
+or the G trajectories of one prompt for the group baselines (an actor keeps a prompt's rollouts until the
+last one finishes, so a group enters the queue whole and a half group can never fill it). The learner takes
+`get_batch(rows, learner_version)`: items in arrival order until `rows` trajectories, dropping on the way
+
+  - stale items: staleness = learner_version - the oldest policy version of any turn of any member
+    (`Trajectory.policy_version`); an item over `max_staleness` is dropped whole and counted;
+  - with `dynamic_sampling` (DAPO), groups whose rewards are all equal (zero group advantage) are dropped and
+    counted.
+
+When the queue holds `capacity` trajectories, `put` waits (actors block; nothing is dropped silently).
+`close()` wakes every waiter: `put` then raises `QueueClosed`, `get_batch` returns what it has (possibly
+fewer rows) once the queue is empty.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from sao_jax import types
+
+
+class QueueClosed(RuntimeError):
+  """The queue was closed (the run is ending); actors stop."""
+
+
+@dataclasses.dataclass
+class QueueStats:
+  """Counters since the queue was made (trajectories, not items), and wait times in seconds."""
+  put: int = 0
+  taken: int = 0
+  dropped_stale: int = 0
+  dropped_equal_reward: int = 0
+  put_wait_s: float = 0.0
+  get_wait_s: float = 0.0
+
+
+@dataclasses.dataclass
+class BatchDraw:
+  """What one `get_batch` returned: the trajectories, their staleness, and what it dropped on the way."""
+  trajectories: list[types.Trajectory]
+  staleness: np.ndarray
+  dropped_stale: int
+  dropped_equal_reward: int
+  wait_s: float
+
+  def metrics(self) -> dict[str, float]:
+    lag = self.staleness
+    return {
+        'staleness/mean': float(lag.mean()) if lag.size else 0.0,
+        'staleness/max': float(lag.max()) if lag.size else 0.0,
+        'queue/dropped_stale': float(self.dropped_stale),
+        'queue/dropped_equal_reward': float(self.dropped_equal_reward),
+        'queue/learner_wait_s': self.wait_s,
+    }
+
+
+def staleness(item: Sequence[types.Trajectory], learner_version: int) -> int:
+  """Learner version minus the oldest version that generated any turn of any trajectory of `item`."""
+  return int(learner_version) - min(int(t.policy_version) for t in item)
+
+
+class TrajectoryQueue:
+  """Thread-safe bounded queue of items (one trajectory, or one whole group). See the module docstring.
+
+  Args:
+    capacity: trajectories held at most (`config.trainer.queue_size`); must hold one item.
+    group_size: trajectories per item (`config.algo.group_size`: 1 for SAO/PPO, G for the group baselines).
+    max_staleness: items staler than this are dropped at `get_batch` (`config.trainer.max_staleness`).
+    dynamic_sampling: drop groups whose rewards are all equal (`config.algo.dynamic_sampling`).
+    clock: time source (tests).
+  """
+
+  def __init__(self, capacity: int, *, group_size: int = 1, max_staleness: int, dynamic_sampling: bool = False,
+               clock=time.monotonic):
+    if group_size < 1:
+      raise ValueError(f'group_size={group_size} must be >= 1.')
+    if capacity < group_size:
+      raise ValueError(f'capacity={capacity} cannot hold one group of {group_size} trajectories.')
+    self.capacity = int(capacity)
+    self.group_size = int(group_size)
+    self.max_staleness = int(max_staleness)
+    self.dynamic_sampling = bool(dynamic_sampling and group_size > 1)
+    self._clock = clock
+    self._items: collections.deque[list[types.Trajectory]] = collections.deque()
+    self._size = 0
+    self._closed = False
+    self._cond = threading.Condition()
+    self.stats = QueueStats()
+
+  def __len__(self) -> int:
+    """Trajectories held now."""
+    with self._cond:
+      return self._size
+
+  @property
+  def closed(self) -> bool:
+    return self._closed
+
+  def close(self) -> None:
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
+
+  def put(self, item: Sequence[types.Trajectory], timeout: float | None = None) -> bool:
+    """Adds one item, waiting while the queue is full; False on timeout.
+
+    Raises:
+      ValueError: an item that is not `group_size` trajectories of one `group_id` (for groups).
+      QueueClosed: the queue was closed before or while waiting.
+    """
+    item = list(item)
+    if len(item) != self.group_size:
+      raise ValueError(f'an item must hold group_size={self.group_size} trajectories, got {len(item)}.')
+    if self.group_size > 1 and len({t.group_id for t in item}) != 1:
+      raise ValueError(f'a group must share one group_id, got {[t.group_id for t in item]}.')
+    t0 = self._clock()
+    deadline = None if timeout is None else t0 + timeout
+    with self._cond:
+      while not self._closed and self._size + len(item) > self.capacity:
+        left = None if deadline is None else deadline - self._clock()
+        if left is not None and left <= 0:
+          return False
+        self._cond.wait(left)
+      if self._closed:
+        raise QueueClosed('the trajectory queue is closed.')
+      self._items.append(item)
+      self._size += len(item)
+      self.stats.put += len(item)
+      self.stats.put_wait_s += self._clock() - t0
+      self._cond.notify_all()
+    return True
+
+  def _rejection(self, item: list[types.Trajectory], learner_version: int) -> str | None:
+    """Why `item` cannot enter a batch ('stale', 'equal_reward') or None."""
+    if staleness(item, learner_version) > self.max_staleness:
+      return 'stale'
+    if self.dynamic_sampling and len({float(t.reward) for t in item}) == 1:
+      return 'equal_reward'
+    return None
+
+  def get_batch(self, rows: int, learner_version: int, timeout: float | None = None) -> BatchDraw:
+    """Takes items in arrival order until `rows` usable trajectories (whole items), waiting for more.
+
+    Returns early with fewer rows only when the queue is closed and empty, or at `timeout` (the caller checks
+    `len(draw.trajectories)`; taken trajectories are never put back).
+
+    Raises:
+      ValueError: `rows` is not a multiple of `group_size`.
+    """
+    if rows % self.group_size:
+      raise ValueError(f'rows={rows} is not a multiple of group_size={self.group_size}.')
+    t0 = self._clock()
+    deadline = None if timeout is None else t0 + timeout
+    taken: list[list[types.Trajectory]] = []
+    n = 0
+    dropped = collections.Counter()
+    with self._cond:
+      while n < rows:
+        while not self._items and not self._closed:
+          left = None if deadline is None else deadline - self._clock()
+          if left is not None and left <= 0:
+            break
+          self._cond.wait(left)
+        if not self._items:
+          break
+        item = self._items.popleft()
+        self._size -= len(item)
+        self._cond.notify_all()
+        reason = self._rejection(item, learner_version)
+        if reason is None:
+          taken.append(item)
+          n += len(item)
+        else:
+          dropped[reason] += len(item)
+      wait = self._clock() - t0
+      self.stats.taken += n
+      self.stats.get_wait_s += wait
+      self.stats.dropped_stale += dropped['stale']
+      self.stats.dropped_equal_reward += dropped['equal_reward']
+      trajectories = [t for item in taken for t in item]
+      lag = np.array([staleness([t], learner_version) for t in trajectories], np.int64)
+      return BatchDraw(trajectories, lag, dropped['stale'], dropped['equal_reward'], wait)
