@@ -96,19 +96,34 @@ class ClosedFormTest(parameterized.TestCase):
       ('two_steps_per_round', 16, 8, 2),
       ('fewer_slots_than_batch', 4, 8, 1),  # Two waves of episodes per round.
       ('grpo', 8, 8, 1, 4),
+      ('slow_half', 16, 8, 2, 1, (10.0,) * 8 + (50.0,) * 8),  # The round waits for its slowest episode.
   )
-  def test_sync_period(self, n, b, k, g=1):
-    e, s, d = 10.0, 3.0, 2.0
-    gen = math.ceil(k * b / n) * e
+  def test_sync_period(self, n, b, k, g=1, times=(10.0,)):
+    s, d = 3.0, 2.0
+    assert n % len(times) == 0 and k * b % n == 0  # Every round runs the same episodes (the cycle restarts).
+    gen = math.ceil(k * b / n) * max(times)  # Closed forms for one wave, or for equal times.
     period = gen + k * s + d  # Generation of the round, k steps, publish; the next round starts.
     rounds = 50
-    r = simulator.simulate(_const(e, s, num_slots=n, batch_size=b, group_size=g, mode='sync', sync_steps_per_round=k,
-                                  publish_delay_s=d, warmup_s=10 * period - 0.5, duration_s=(10 + rounds) * period - 0.5))
+    cfg = _const(0.0, s, num_slots=n, batch_size=b, group_size=g, mode='sync', sync_steps_per_round=k,
+                 publish_delay_s=d, warmup_s=10 * period - 0.5, duration_s=(10 + rounds) * period - 0.5)
+    r = simulator.simulate(dataclasses.replace(cfg, gen_tokens=Dist('cycle', values=times)))
     self.assertAlmostEqual(r.trained_per_s, k * b / period)
     self.assertAlmostEqual(r.learner_utilisation, k * s / period)
-    self.assertAlmostEqual(r.actor_utilisation, k * b * e / (n * period))
+    self.assertAlmostEqual(r.actor_utilisation, k * b * np.mean(times) / (n * period))
     self.assertEqual(r.steps, k * rounds)
     np.testing.assert_array_equal(np.bincount(r.staleness), [b * rounds] * k)  # The j-th step of a round: j.
+
+  @parameterized.parameters((1.0, 0.5), (3.0, 1.0))
+  def test_publish_delay_and_turn_switch(self, d, token_staleness):
+    # One actor, two turns of 5 s: episode k runs [10k, 10k+10], the step on episode k-1 runs [10k, 10k+3] and
+    # its weights are published at 10k+3+d. With d <= 2 the second turn (from 10k+5) already uses them: token
+    # staleness (1 + 0) / 2; else (1 + 1) / 2. The oldest turn is one version behind either way.
+    cfg = _const(5.0, 3.0, num_slots=1, batch_size=1, publish_delay_s=d, turns=Dist('constant', 2.0),
+                 warmup_s=100.0, duration_s=1100.0)
+    r = simulator.simulate(cfg)
+    np.testing.assert_array_equal(r.staleness, 1)
+    np.testing.assert_allclose(r.token_staleness, token_staleness)
+    self.assertAlmostEqual(r.trained_per_s, 0.1)
 
   def test_n_actors_async_generation_bound(self):
     n, e, b, s = 6, 10.0, 3, 2.0  # 0.6 trajectories/s generated; the learner could take 1.5/s.
