@@ -217,7 +217,7 @@ class SimResult:
   token_staleness: np.ndarray  # float, per trained trajectory: v_learner - token-weighted mean turn version.
   queue_wait_s: np.ndarray  # Per trained trajectory: start of its step - entry into the queue.
   group_wait_s: np.ndarray  # Per trained trajectory: entry into the queue - its own end (GRPO group barrier).
-  counts: dict[str, int]  # Whole run: started, completed, trained, dropped and each end-of-run fate.
+  counts: dict[str, int]  # Whole run: started, completed, trained, dropped, queue_max and each end-of-run fate.
   fates: np.ndarray  # int8 [started]: fate of each episode at the end of the run (FATES).
   trained_ids: np.ndarray  # Episode ids of every trained trajectory, in training order (whole run).
   end_time: np.ndarray  # [started] episode end times (nan while running).
@@ -284,7 +284,7 @@ def simulate(cfg: SimConfig) -> SimResult:
   round_steps = 0
   learner_busy = False
   queue: collections.deque[tuple[list[int], int]] = collections.deque()  # (episode ids, oldest version).
-  q_len = 0
+  q_len = q_max = 0  # Trajectories in the queue now, and the most it held.
   blocked: collections.deque[tuple[list[int], float]] = collections.deque()  # (item, since) of waiting slots.
   groups: dict[int, list[int]] = {}  # GRPO: done members of incomplete groups.
   training: list[int] = []
@@ -339,7 +339,7 @@ def simulate(cfg: SimConfig) -> SimResult:
 
   def put(item, t):
     """A done trajectory (GRPO: a whole group) enters the queue, or is dropped if stale."""
-    nonlocal q_len, round_left, n_dropped, dropped_win
+    nonlocal q_len, q_max, round_left, n_dropped, dropped_win
     oldest = min(ver_min[k] for k in item)
     round_left -= len(item)
     if version - oldest > max_st:
@@ -354,6 +354,7 @@ def simulate(cfg: SimConfig) -> SimResult:
       enq[k] = t
     queue.append((item, oldest))
     q_len += len(item)
+    q_max = max(q_max, q_len)
 
   def unblock(t):
     nonlocal free, blocked_time
@@ -469,7 +470,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     blocked_time += clip(since, t_end)
   fates = np.asarray(fate, np.int8)
   counts = {'started': len(start), 'completed': int(np.sum(fates != RUNNING)), 'trained_total': n_trained,
-            'dropped_total': n_dropped}
+            'dropped_total': n_dropped, 'queue_max': q_max}
   counts.update({name: int(np.sum(fates == code)) for code, name in enumerate(FATES)})
   window = t_end - t_w
   hours = window / 3600.0

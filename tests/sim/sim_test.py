@@ -59,6 +59,7 @@ class ConservationTest(parameterized.TestCase):
     self.assertEqual(c['dropped'], c['dropped_total'])
     self.assertEqual(ids.size % r.config.batch_size, 0)  # Whole steps only.
     self.assertEqual(c['completed'], n - c['running'])
+    self.assertLessEqual(c['queue_max'], r.config.capacity)
     self.assertEqual(int(np.sum(~np.isnan(r.end_time))), c['completed'])
     if kw.get('max_staleness') is not None:
       self.assertGreater(c['dropped'], 0)  # The bounded cases do drop (else the test proves little).
@@ -139,6 +140,7 @@ class ClosedFormTest(parameterized.TestCase):
     self.assertAlmostEqual(r.learner_utilisation, 1.0)
     self.assertAlmostEqual(r.trained_per_s, b / s)
     self.assertGreater(r.actor_blocked, 0.4)  # The queue is full: half the actors' time is spent waiting.
+    self.assertEqual(r.counts['queue_max'], 2 * b)  # Full at its default capacity 2B, never over.
     self.assertAlmostEqual(r.actor_utilisation + r.actor_blocked, 1.0, delta=0.02)
 
 
