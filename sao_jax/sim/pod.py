@@ -9,7 +9,7 @@ Hardware and model (assumed, not measured here; no pod is available to this proj
     prefilled at **3000 tokens/s per slot** (compute-bound, chunked into the decode batches).
   - learner: 32 chips at 40% of 989 TFLOP/s bf16. An SAO step costs ~22 P FLOPs per token (policy update 6P,
     K=2 critic updates 12P, two critic forwards 4P), so **12 us per token** of the batch, plus **5 s** fixed
-    (optimizer, host, batch assembly). A batch of 128 x ~60K tokens: ~95 s.
+    (optimizer, host, batch assembly). A batch of 128 x ~56K tokens: ~92 s.
   - weight publishing (reshard learner -> actor mesh): **10 s**.
 Episodes (agentic, multi-turn tool use; 32K-128K-token contexts, heavy tail):
   - prompt 2000 tokens; turns ~ log-normal(mean 10, sigma 0.5), clipped to [1, 32];

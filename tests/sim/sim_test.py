@@ -255,6 +255,12 @@ class CalibrateTest(absltest.TestCase):
       self.assertLess(abs(by[key]['rel_error']), 0.02)
     self.assertIsNone(by[('sync/grpo', 'trajectories_per_s')]['measured'])
 
+  def test_committed_example(self):
+    path = os.path.join(os.path.dirname(calibrate.__file__), 'calibration_closed_form.json')
+    with open(path) as f:
+      rows = calibrate.compare(json.load(f))
+    self.assertTrue(all(r['within'] for r in rows), calibrate.format_table(rows))
+
   def test_off_measurement_flagged(self):
     rows = calibrate.compare(self._measurements(scale=1.5))
     bad = [r for r in rows if r['metric'] == 'trajectories_per_s' and r['measured'] is not None]
