@@ -79,7 +79,7 @@ class SimConfig:
   step_time_per_token_s: float = 0.0  # Learner step time per token of the batch (prompt + gen + obs).
   publish_delay_s: float = 0.0  # From the end of a step to its weights being usable by the actors.
   max_staleness: float = math.inf  # Staleness bound (inf = no bound).
-  queue_capacity: int = 0  # Trajectories the queue holds (0 = 2 * batch_size); full -> the slot waits.
+  queue_capacity: int = 0  # Trajectories the queue holds; full -> the slot waits. 0 = 2B (sync: max(2, k) * B).
   turn_level_switch: bool = True  # Episodes take newer weights between turns (else at the next episode).
   duration_s: float = 3600.0  # Simulated time.
   warmup_s: float = 0.0  # Start of the measurement window.
@@ -87,7 +87,8 @@ class SimConfig:
 
   @property
   def capacity(self) -> int:
-    return self.queue_capacity or 2 * self.batch_size
+    k = self.sync_steps_per_round if self.mode == 'sync' else 1
+    return self.queue_capacity or max(2, k) * self.batch_size
 
   def validate(self) -> SimConfig:
     """Raises ConfigError naming the field; returns self."""

@@ -92,8 +92,7 @@ def sweeps() -> dict[str, list[tuple[list[Any], dict[str, Any]]]]:
     for bound in BOUNDS:
       out['bound'].append(([g, bound], _run(group_size=g, max_staleness=bound)))
   for g in (1, GRPO_G):
-    for name, kw in (('sync k=1', dict(mode='sync')), ('sync k=8', dict(mode='sync', sync_steps_per_round=8,
-                                                                          queue_capacity=8 * 128)),
+    for name, kw in (('sync k=1', dict(mode='sync')), ('sync k=8', dict(mode='sync', sync_steps_per_round=8)),
                      ('async', dict()), ('async max_staleness=8', dict(max_staleness=8))):
       out['util'].append(([g, name], _run(group_size=g, **kw)))
   return out
