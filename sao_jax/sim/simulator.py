@@ -297,7 +297,7 @@ def simulate(cfg: SimConfig) -> SimResult:
   st_win, tst_win, qw_win, gw_win = [], [], [], []
   busy_actor = busy_learner = blocked_time = 0.0
   gen_win = trained_win = dropped_win = steps_win = 0
-  n_trained = n_dropped = 0
+  n_trained = n_dropped = n_started = 0  # n_started: learner steps started.
 
   def clip(a, b):  # Length of [a, b] inside the window.
     return max(0.0, min(b, t_end) - max(a, t_w))
@@ -367,7 +367,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     launch(t)
 
   def try_learn(t):
-    nonlocal learner_busy, q_len, seq, busy_learner
+    nonlocal learner_busy, q_len, seq, busy_learner, n_started
     if learner_busy or q_len < batch or (sync and round_left > 0):
       return
     training.clear()
@@ -379,7 +379,8 @@ def simulate(cfg: SimConfig) -> SimResult:
     for k in training:
       fate[k] = TRAINING
       n_tok += tokens[k]
-    dt = float(cfg.step_time_s.sample(step_rng, 1, 0)[0]) + cfg.step_time_per_token_s * n_tok
+    dt = float(cfg.step_time_s.sample(step_rng, 1, n_started)[0]) + cfg.step_time_per_token_s * n_tok
+    n_started += 1
     if t >= t_w:  # Statistics of the data this step trains on.
       for k in training:
         st_win.append(version - ver_min[k])

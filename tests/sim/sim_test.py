@@ -81,14 +81,15 @@ class DeterminismTest(absltest.TestCase):
 
 class ClosedFormTest(parameterized.TestCase):
 
-  @parameterized.parameters((10.0, 3.0, 0.0), (10.0, 6.0, 3.5))
-  def test_one_actor_async_learner_faster(self, e, s, d):
+  @parameterized.parameters((10.0, (3.0,), 0.0), (10.0, (6.0,), 3.5), (10.0, (1.0, 5.0), 0.0))
+  def test_one_actor_async_learner_faster(self, e, steps, d):
     # Episode k ends at kE; its step runs [kE, kE+S] (S + d < E), so one trajectory per E, the learner busy S/E,
     # and every episode starts one version behind the version that trains it.
-    r = simulator.simulate(_const(e, s, num_slots=1, batch_size=1, publish_delay_s=d, warmup_s=100.0,
-                                  duration_s=1100.0))
+    # Step times may alternate (a `cycle`): the learner is busy mean(S)/E.
+    cfg = _const(e, 0.0, num_slots=1, batch_size=1, publish_delay_s=d, warmup_s=100.0, duration_s=1100.0)
+    r = simulator.simulate(dataclasses.replace(cfg, step_time_s=Dist('cycle', values=steps)))
     self.assertAlmostEqual(r.trained_per_s, 1.0 / e)
-    self.assertAlmostEqual(r.learner_utilisation, s / e)
+    self.assertAlmostEqual(r.learner_utilisation, np.mean(steps) / e)
     self.assertAlmostEqual(r.actor_utilisation, 1.0)
     np.testing.assert_array_equal(r.staleness, 1)
 
