@@ -124,13 +124,13 @@ def _plot(res, out_dir: str) -> list[str]:
 
   def panels(rows, xs_of: Callable, series, xlabel, name, xlog=False):
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-    for label, sel in series:
+    for i, (label, sel) in enumerate(series):
       pts = [(xs_of(k), s) for k, s in rows if sel(k)]
-      xs = [p[0] for p in pts]
-      axes[0].plot(xs, [p[1]['trained_per_hour'] for p in pts], 'o-', label=label)
-      axes[1].plot(xs, [p[1]['staleness_mean'] for p in pts], 'o-', label=f'{label} mean')
-      axes[1].plot(xs, [p[1]['staleness_p99'] for p in pts], 's--', label=f'{label} p99')
-      axes[2].plot(xs, [p[1]['learner_utilisation'] for p in pts], 'o-', label=label)
+      xs, c = [p[0] for p in pts], f'C{i}'
+      axes[0].plot(xs, [p[1]['trained_per_hour'] for p in pts], 'o-', color=c, label=label)
+      axes[1].plot(xs, [p[1]['staleness_mean'] for p in pts], 'o-', color=c, label=f'{label} mean')
+      axes[1].plot(xs, [p[1]['staleness_p99'] for p in pts], 's--', color=c, label=f'{label} p99')
+      axes[2].plot(xs, [p[1]['learner_utilisation'] for p in pts], 'o-', color=c, label=label)
     for ax, ylabel in zip(axes, ('trained trajectories / h', 'staleness (steps)', 'learner utilisation')):
       ax.set_xlabel(xlabel)
       ax.set_ylabel(ylabel)
