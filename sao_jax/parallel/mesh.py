@@ -54,13 +54,17 @@ def mesh_shape(mesh_config: Any, num_devices: int) -> tuple[int, int, int]:
     sizes[free[0]] = num_devices // fixed
   elif fixed > num_devices:
     raise ConfigError(
-        f'config.mesh={sizes} needs {fixed} devices but only {num_devices} exist '
+        f'{_product(sizes)} = {fixed}: needs {fixed} devices but only {num_devices} exist '
         f'(jax.device_count()); shrink config.mesh.data/fsdp/tensor.')
   elif fixed != num_devices:
     raise ConfigError(
-        f'config.mesh={sizes} covers {fixed} of the {num_devices} devices; the mesh must use all of them '
+        f'{_product(sizes)} = {fixed}: covers {fixed} of the {num_devices} devices; the mesh must use all of them '
         '(set one axis to -1 to take the rest).')
   return sizes['data'], sizes['fsdp'], sizes['tensor']
+
+
+def _product(sizes: dict[str, int]) -> str:
+  return ' * '.join(f'config.mesh.{axis}={size}' for axis, size in sizes.items())
 
 
 def make_mesh(mesh_config: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
