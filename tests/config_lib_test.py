@@ -5,6 +5,7 @@ each algorithm name resolves to its own settings, and a changed defining setting
 """
 
 import importlib
+import json
 import math
 import os
 import tempfile
@@ -21,6 +22,7 @@ from sao_jax.errors import ConfigError
 from sao_jax.learner import algo as algo_lib
 from sao_jax.learner import optim as optim_lib
 from sao_jax.learner import StepConfig
+from sao_jax.models import get_model_config
 
 # Written from the papers / DESIGN.md, independently of `algo.PRESETS`: (path -> value) each name must run with.
 _EXPECTED = {
@@ -231,6 +233,27 @@ class BadConfigTest(parameterized.TestCase):
       config_lib.validate(c, log=False)
     c.trainer.batch_size = 12
     config_lib.validate(c, devices=jax.devices()[:3], log=False)
+
+  def test_hf_model_directory(self):
+    hf_dir = tempfile.mkdtemp()
+    c = base.get_config()
+    c.model.name, c.model.hf_dir = 'hf', hf_dir
+    with self.assertRaisesRegex(ConfigError, r'config\.model\.hf_dir=.*config\.json'):
+      config_lib.validate(c, log=False)
+    cfg = get_model_config('tiny', num_heads=6, num_kv_heads=3)
+    with open(os.path.join(hf_dir, 'config.json'), 'w') as f:
+      json.dump(cfg.to_hf_config(), f)
+    with self.assertRaisesRegex(ConfigError, r'num_heads=6 is not divisible by config\.mesh\.tensor=4'):
+      c.mesh.fsdp, c.mesh.tensor = 2, 4  # The model read from the directory is what the layout is checked on.
+      config_lib.validate(c, log=False)
+    c.mesh.fsdp, c.mesh.tensor = 8, 1
+    config_lib.validate(c, log=False)
+    c.model.tokenizer = 'hf'  # The directory has no tokenizer.json.
+    with self.assertRaisesRegex(ConfigError, r'config\.model\.hf_dir=.*has no tokenizer\.json'):
+      config_lib.validate(c, log=False)
+    c.model.tokenizer = tempfile.mkdtemp()
+    with self.assertRaisesRegex(ConfigError, r'config\.model\.tokenizer=.*has no tokenizer\.json'):
+      config_lib.validate(c, log=False)
 
   def test_heads_must_split_over_tensor(self):
     c = base.get_config()  # tiny: 4 heads, 2 kv heads.
