@@ -135,17 +135,15 @@ def resolve(config: Any) -> tuple[Any, tuple[str, ...]]:
   the tuple is also stored in the copy's `algo.ablations`. Idempotent: a resolved config resolves to itself.
   Fields the algorithm does not read keep their explicit value and are not ablations. `config` is not changed.
   """
-  a = config.algo
-  name = a.name
-  want = preset(name, a.get('domain', 'math'))
-  defining = {**PRESETS[name], **_DOMAIN_PRESETS.get((name, a.get('domain', 'math')), {})}
+  name = config.algo.name
+  want = preset(name, config.algo.get('domain', 'math'))
   out = copy.deepcopy(config)
   ablations = []
   for path in DEFINING_FIELDS:
     value = _get(out, path)
     if value is None:
       _set(out, path, want[path])
-    elif path in defining and value != want[path]:
+    elif path in PRESETS[name] and value != want[path]:
       ablations.append(f'{path}: {want[path]!r} -> {value!r}')
   if 'ablations' in out.algo:
     out.algo.ablations = tuple(ablations)
