@@ -69,7 +69,7 @@ def _encode(x, depth=0):
     return {'bytes': x.hex()}
   if t is complex:
     return {'complex': [_encode(x.real, depth + 1), _encode(x.imag, depth + 1)]}
-  raise ValueError('a value of type ' + t.__name__ + ' is not plain data')
+  raise ValueError('a value of type ' + t.__name__ + ', not plain data')
 
 
 def _decode(x, depth=0):
@@ -147,12 +147,17 @@ for _i, (_args, _kwargs) in enumerate(_CALLS):
   try:
     _signal.setitimer(_signal.ITIMER_REAL, _PER_TEST)
     _r = _fn(*_decode(_args), **_decode(_kwargs))
+  except BaseException as e:
+    _signal.setitimer(_signal.ITIMER_REAL, 0)
+    _emit({{'k': 'call', 'i': _i, 'e': 'raised ' + _err(e)}})
+    continue
+  try:
     _v = _encode(_r)
     _signal.setitimer(_signal.ITIMER_REAL, 0)
     _emit({{'k': 'call', 'i': _i, 'v': _v}})
   except BaseException as e:
     _signal.setitimer(_signal.ITIMER_REAL, 0)
-    _emit({{'k': 'call', 'i': _i, 'e': _err(e)}})
+    _emit({{'k': 'call', 'i': _i, 'e': 'returned ' + _err(e)}})
 '''
 
 
@@ -438,7 +443,7 @@ def parse_results(stdout: str, mark: str, num_calls: int) -> tuple[dict[int, tup
       except (ValueError, TypeError, RecursionError):
         results[i] = ('error', 'returned a value that cannot be read back')
     else:
-      results[i] = ('error', str(rec.get('e'))[:300])
+      results[i] = ('error', str(rec.get('e'))[:300])  # 'raised ...' or 'returned ...' (not plain data).
   return results, load_error, '\n'.join(other)[-2000:]
 
 
@@ -465,7 +470,7 @@ def run_tests(sandbox: sandbox_lib.Sandbox, source: str, entry_point: str, tests
     if kind == 'value' and _same(got, t['output']):
       passed += 1
       continue
-    why = f'returned {_shown(got)}' if kind == 'value' else (got if got == missing else f'raised {got}')
+    why = f'returned {_shown(got)}' if kind == 'value' else got
     if feedback == 'full':
       why += f', expected {json.dumps(t["output"])[:100]}'
     call = f'{entry_point}({", ".join(json.dumps(a) for a in t["input"])})'
@@ -474,7 +479,7 @@ def run_tests(sandbox: sandbox_lib.Sandbox, source: str, entry_point: str, tests
   for check in checks:
     got = [results.get(first + j, ('error', missing)) for j in range(len(check.calls))]
     first += len(check.calls)
-    errors = [v if v == missing else f'raised {v}' for k, v in got if k != 'value']
+    errors = [v for k, v in got if k != 'value']
     if not errors and check.decide([v for _, v in got]):
       passed += 1
       continue

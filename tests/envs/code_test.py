@@ -88,6 +88,9 @@ class CodeTaskTest(parameterized.TestCase):
     env.reset()
     obs = env.step('def square(x):\n  return x + x')[0]
     self.assertIn('assert square(3) == 9', obs)
+    env.reset()
+    obs = env.step('class Nine(int):\n  pass\ndef square(x):\n  return Nine(9)')[0]
+    self.assertIn('assert square(3) == 9: returned ValueError: a value of type Nine, not plain data', obs)
 
   @parameterized.named_parameters(
       ('syntax_error', 'def add(a, b) return a+b', 'failed to load: SyntaxError'),
