@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import random
 import resource
@@ -110,7 +109,7 @@ def _system_links() -> list[str]:
 
 
 @functools.cache
-def _bwrap_supports_size(bwrap: str) -> bool:
+def _bwrap_has_options(bwrap: str) -> bool:
   try:
     out = subprocess.run([bwrap, '--help'], capture_output=True, text=True, timeout=10, check=False)
     return '--size' in out.stdout + out.stderr and '--json-status-fd' in out.stdout + out.stderr
@@ -203,7 +202,7 @@ def bwrap_problem(python: str = _SYSTEM_PYTHON) -> str | None:
   bwrap = shutil.which('bwrap')
   if bwrap is None:
     return 'bwrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)'
-  if not _bwrap_supports_size(bwrap):
+  if not _bwrap_has_options(bwrap):
     return f'{bwrap} is too old (--size and --json-status-fd are needed: bubblewrap >= 0.5)'
   uid = _PROBE_UID if _is_root() else None
   if not _works(tuple(bwrap_argv(python, SandboxLimits(), bwrap=bwrap)[:-1] + ['-c', 'pass']), uid, python):
