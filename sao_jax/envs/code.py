@@ -532,8 +532,11 @@ class CodeTask(base.DatasetTask):
     examples = self._load(opts.data_file, 'task.kwargs.data_file')
     evals = self._load(opts.eval_file, 'task.kwargs.eval_file') if opts.eval_file else None
     self._train, self._eval = datasets.split(examples, eval_size, eval_examples=evals)
-    self.sandbox = sandbox_lib.Sandbox(opts.limits(), isolation=opts.isolation,
-                                       max_concurrent=opts.max_concurrent)
+    try:
+      self.sandbox = sandbox_lib.Sandbox(opts.limits(), isolation=opts.isolation,
+                                         max_concurrent=opts.max_concurrent)
+    except sandbox_lib.SandboxError as e:
+      raise ConfigError(f'config.task.kwargs.isolation={opts.isolation!r}: {e}') from e
 
   def _load(self, path: str, field: str) -> list[base.Example]:
     o = self.opts

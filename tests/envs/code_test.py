@@ -3,7 +3,9 @@
 import json
 import math
 import os
+import shutil
 import tempfile
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -347,6 +349,13 @@ class CodeDataTest(absltest.TestCase):
       envs.get_task({'name': 'code', 'max_turns': 1, 'eval_size': 1, 'kwargs': {'reward': 'most'}})
     with self.assertRaisesRegex(ConfigError, r"config\.task\.kwargs\.isolation='auto'"):
       envs.get_task({'name': 'code', 'max_turns': 1, 'eval_size': 1, 'kwargs': {'isolation': 'auto'}})
+
+  def test_missing_bwrap_names_the_field(self):
+    which = shutil.which
+    with mock.patch.object(shutil, 'which', lambda name, *a, **k: None if name == 'bwrap' else which(name, *a, **k)):
+      with self.assertRaisesRegex(ConfigError, r"config\.task\.kwargs\.isolation='bwrap': .*bwrap is not "
+                                  'installed'):
+        envs.get_task({'name': 'code', 'max_turns': 1, 'eval_size': 1, 'kwargs': {}})
 
 
 if __name__ == '__main__':
