@@ -44,6 +44,7 @@ from typing import Any
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -198,6 +199,13 @@ def fingerprints(tree: Any) -> dict[str, list[Any]]:
   sums = jax.device_get(_fingerprint_tree(arrays))
   return {_path(p): [int(h[0]), int(h[1]), list(np.shape(x)), str(np.dtype(x.dtype))]
           for (p, _), x, h in zip(leaves, arrays, sums)}
+
+
+def _all_processes(ok: bool) -> bool:
+  """Whether `ok` holds on every process (a collective under multi-process)."""
+  if jax.process_count() == 1:
+    return ok
+  return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
 
 
 def _json_digest(value: Any) -> str:
@@ -386,6 +394,33 @@ class Checkpointer:
 
   def _restore_verified(self, step: int, target: CheckpointState | None,
                         items: tuple[str, ...] | None) -> CheckpointState:
+    # Reading is local to each process (its own shards): all processes agree on whether it worked before
+    # the fingerprints (a collective), whose replicated values then give every process the same verdict.
+    try:
+      manifest, wanted, restored = self._read(step, target, items)
+      failure = None
+    except CheckpointCorrupt as e:
+      failure = e
+    if not _all_processes(failure is None):
+      raise failure or CheckpointCorrupt('another process could not read its part of it')
+    out = CheckpointState(step=step, policy=None)
+    for name in sorted(wanted):
+      value = restored[name]
+      if name in ARRAY_ITEMS:
+        want = manifest.get('arrays', {}).get(name)
+        problem = (f'{name}: no fingerprints in the {MANIFEST}' if not isinstance(want, dict)
+                   else _compare(name, fingerprints(value), want))
+      else:
+        want = manifest.get('json', {}).get(name)
+        problem = None if _json_digest(value) == want else f'{name}: differs from what was saved'
+      if problem:
+        raise CheckpointCorrupt(problem)
+      setattr(out, name, value)
+    return out
+
+  def _read(self, step: int, target: CheckpointState | None, items: tuple[str, ...] | None
+            ) -> tuple[dict[str, Any], set[str], dict[str, Any]]:
+    """(manifest, items wanted, items as read) of `step`; `CheckpointCorrupt` if it cannot be read."""
     stored = self.items_at(step)
     if MANIFEST not in stored:
       raise CheckpointCorrupt(f'no {MANIFEST} (an interrupted save or a damaged directory; it has '
@@ -405,36 +440,23 @@ class Checkpointer:
     if lost:
       raise CheckpointCorrupt(f'item(s) {sorted(lost)} saved but missing on disk')
     args = {}
-    for name in ARRAY_ITEMS:
-      if name not in wanted:
-        continue
-      tree = None if target is None else getattr(target, name)
-      try:
+    try:
+      for name in ARRAY_ITEMS:
+        if name not in wanted:
+          continue
+        tree = None if target is None else getattr(target, name)
         if tree is None:
           tree = _metadata_tree(self._manager.item_metadata(step)[name])
-      except Exception as e:  # pylint: disable=broad-except
-        raise CheckpointCorrupt(f'{name}: unreadable metadata: {type(e).__name__}: {str(e)[:300]}') from e
-      # Leaves without a sharding go to the first local device (never the saved topology, which may be
-      # another mesh or another number of processes).
-      args[name] = ocp.args.StandardRestore(_single_device_target(tree))
-    for name in JSON_ITEMS:
-      if name in wanted:
-        args[name] = ocp.args.JsonRestore()
-    try:
+        # Leaves without a sharding go to the first local device (never the saved topology, which may be
+        # another mesh or another number of processes).
+        args[name] = ocp.args.StandardRestore(_single_device_target(tree))
+      for name in JSON_ITEMS:
+        if name in wanted:
+          args[name] = ocp.args.JsonRestore()
       restored = self._manager.restore(step, args=ocp.args.Composite(**args))
     except Exception as e:  # pylint: disable=broad-except  (truncated / garbled files: tensorstore errors)
       raise CheckpointCorrupt(f'unreadable: {type(e).__name__}: {str(e)[:300]}') from e
-    out = CheckpointState(step=step, policy=None)
-    for name in sorted(wanted):
-      value = restored[name]
-      if name in ARRAY_ITEMS:
-        problem = _compare(name, fingerprints(value), manifest['arrays'][name])
-      else:
-        problem = None if _json_digest(value) == manifest['json'][name] else f'{name}: differs from what was saved'
-      if problem:
-        raise CheckpointCorrupt(problem)
-      setattr(out, name, value)
-    return out
+    return manifest, wanted, restored
 
   # ---- Lifetime.
 
