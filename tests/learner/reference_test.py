@@ -14,6 +14,7 @@ for ratios exactly on an edge, which a real forward pass never hits: `tests/loss
 Every setting the step depends on is set explicitly below, so presets of `algo.name` cannot change it.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -151,58 +152,77 @@ def _dist(a: dict, b: dict) -> float:
   return max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a)
 
 
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One learner step: the models and batch it started from, and the parameters before and after it."""
+  policy: nnx.Module
+  critic: nnx.Module | None
+  batch: Batch
+  real: np.ndarray  # [B, T] non-padding tokens.
+  before: dict  # 'policy', 'critic', 'critic_rest': {path: array}.
+  after: dict
+
+
+def _flat_model(model, trained):
+  _, params, rest = nnx.split(model, trained, ...)
+  return ref.flat(params), ref.flat(rest)
+
+
+def _run_learner(algo, settings, policy, critic, batch, real) -> Run:
+  before = {'policy': _flat_model(policy, nnx.Param)[0]}
+  if critic is not None:
+    before['critic'], before['critic_rest'] = _flat_model(critic, ref.CRITIC_TRAINED)
+  learner = Learner(_config(algo, settings, len(batch.tokens)), policy=policy, critic=critic, mesh=H.mesh(1, 1),
+                    model_config=H.MODEL)
+  learner.update(batch)
+  after = {'policy': ref.flat(H.host(learner.state.policy.params))}
+  if critic is not None:
+    after['critic'] = ref.flat(H.host(learner.state.critic.params))
+    after['critic_rest'] = ref.flat(H.host(learner.state.critic.rest))
+  return Run(policy, critic, batch, real, before, after)
+
+
 @functools.cache
-def _sao():
-  """Builds the models and batch, runs one learner step; returns (models, batch, real tokens, learner params)."""
+def _sao() -> Run:
   policy = Decoder(H.MODEL, rngs=nnx.Rngs(0))
   critic = value_lib.ValueModel(H.MODEL, rngs=nnx.Rngs(1))  # Its own backbone; a non-zero head.
   critic.head.kernel[...] = 0.1 * jax.random.normal(jax.random.key(2), critic.head.kernel.shape)
   critic.head.bias[...] = 0.2
   tokens, action, real, rewards = _layout(SEGMENTS_SAO, SAO_REWARDS, seed=0)
-  truncated = np.zeros(len(SEGMENTS_SAO), bool)
+  rows = len(tokens)
+  truncated = np.zeros(rows, bool)
   truncated[list(SAO_TRUNCATED)] = True
-  row_mask = np.ones(len(SEGMENTS_SAO), np.float32)
+  row_mask = np.ones(rows, np.float32)
   row_mask[SAO_PADDING_ROW] = 0.0
   batch = Batch(tokens=tokens, action_mask=action,
                 behavior_logprobs=_behavior(_initial_logprobs(policy, tokens), action, seed=0), rewards=rewards,
-                truncated=truncated, group_ids=np.full(len(tokens), -1, np.int32), row_mask=row_mask,
-                policy_version=np.zeros(len(tokens), np.int32))
-  before = {'policy': ref.flat(nnx.state(policy, nnx.Param)),
-            'critic_rest': ref.flat(nnx.split(critic, ref.CRITIC_TRAINED, ...)[2])}
-  learner = Learner(_config('sao', SAO, len(tokens)), policy=policy, critic=critic, mesh=H.mesh(1, 1),
-                    model_config=H.MODEL)
-  learner.update(batch)
-  after = {'policy': ref.flat(H.host(learner.state.policy.params)),
-           'critic': ref.flat(H.host(learner.state.critic.params)),
-           'critic_rest': ref.flat(H.host(learner.state.critic.rest))}
-  return policy, critic, batch, real, before, after
+                truncated=truncated, group_ids=np.full(rows, -1, np.int32), row_mask=row_mask,
+                policy_version=np.zeros(rows, np.int32))
+  return _run_learner('sao', SAO, policy, critic, batch, real)
 
 
 @functools.cache
 def _sao_reference(variant: ref.SaoVariant = ref.SaoVariant()) -> ref.StepResult:
-  policy, critic, batch, real, _, _ = _sao()
-  return ref.sao_step(policy, critic, batch, SAO, variant, real_tokens=real)
+  run = _sao()
+  return ref.sao_step(run.policy, run.critic, run.batch, SAO, variant, real_tokens=run.real)
 
 
 @functools.cache
-def _grpo():
+def _grpo() -> Run:
   policy = Decoder(H.MODEL, rngs=nnx.Rngs(3))
-  tokens, action, _, rewards = _layout(SEGMENTS_GRPO, GRPO_REWARDS, seed=1)
+  tokens, action, real, rewards = _layout(SEGMENTS_GRPO, GRPO_REWARDS, seed=1)
   rows = len(tokens)
   batch = Batch(tokens=tokens, action_mask=action,
                 behavior_logprobs=_behavior(_initial_logprobs(policy, tokens), action, seed=1), rewards=rewards,
                 truncated=np.zeros(rows, bool), group_ids=(np.arange(rows) // GRPO.group_size).astype(np.int32),
                 row_mask=np.ones(rows, np.float32), policy_version=np.zeros(rows, np.int32))
-  before = ref.flat(nnx.state(policy, nnx.Param))
-  learner = Learner(_config('grpo', GRPO, rows), policy=policy, mesh=H.mesh(1, 1), model_config=H.MODEL)
-  learner.update(batch)
-  return policy, batch, before, ref.flat(H.host(learner.state.policy.params))
+  return _run_learner('grpo', GRPO, policy, None, batch, real)
 
 
 @functools.cache
 def _grpo_reference(variant: ref.GrpoVariant = ref.GrpoVariant()) -> ref.StepResult:
-  policy, batch, _, _ = _grpo()
-  return ref.grpo_step(policy, batch, GRPO, variant)
+  run = _grpo()
+  return ref.grpo_step(run.policy, run.batch, GRPO, variant)
 
 
 SAO_WRONG = {
@@ -224,19 +244,18 @@ EDGE_ONLY = ('closed band (<=)',)
 
 
 def _sao_distance(result: ref.StepResult) -> float:
-  after = _sao()[-1]
+  after = _sao().after
   return max(_dist(result.policy, after['policy']), _dist(result.critic, after['critic']))
 
 
 class SaoReferenceStepTest(absltest.TestCase):
 
   def test_policy_and_critic_match_the_reference(self):
-    _, _, _, _, before, after = _sao()
-    want = _sao_reference()
-    moved = {'policy': _dist(want.policy, before['policy']), 'critic': _dist(want.critic, _critic_before())}
+    run, want = _sao(), _sao_reference()
+    moved = {name: _dist(getattr(want, name), run.before[name]) for name in ('policy', 'critic')}
     for name in ('policy', 'critic'):
       self.assertGreater(moved[name], 1000 * ATOL, f'{name} barely moved: the comparison would be vacuous')
-      got = after[name]
+      got = run.after[name]
       self.assertEqual(sorted(got), sorted(getattr(want, name)))
       for k in got:
         np.testing.assert_allclose(got[k], getattr(want, name)[k], rtol=0, atol=ATOL, err_msg=f'{name} {k}')
@@ -244,14 +263,14 @@ class SaoReferenceStepTest(absltest.TestCase):
                  _sao_distance(want), moved['policy'], moved['critic'])
 
   def test_frozen_critic_attention_did_not_move(self):
-    _, _, _, _, before, after = _sao()
-    self.assertTrue(any("['attn']" in k for k in before['critic_rest']))
-    for k, v in before['critic_rest'].items():
-      np.testing.assert_array_equal(after['critic_rest'][k], v, err_msg=k)
+    run = _sao()
+    self.assertTrue(any("['attn']" in k for k in run.before['critic_rest']))
+    for k, v in run.before['critic_rest'].items():
+      np.testing.assert_array_equal(run.after['critic_rest'][k], v, err_msg=k)
 
   def test_batch_exercises_every_case(self):
-    _, _, batch, real, _, _ = _sao()
-    r = _sao_reference()
+    run, r = _sao(), _sao_reference()
+    batch, real = run.batch, run.real
     m = r.mask > 0
     lo, hi = 1 - SAO.eps_low, 1 + SAO.eps_high
     for side in (r.ratio <= lo, r.ratio >= hi, (r.ratio > lo) & (r.ratio < hi)):
@@ -275,16 +294,11 @@ class SaoReferenceStepTest(absltest.TestCase):
     self.assertFalse(m[SAO_PADDING_ROW].any())
 
 
-def _critic_before():
-  _, critic, _, _, _, _ = _sao()
-  return ref.flat(nnx.split(critic, ref.CRITIC_TRAINED, ...)[1])
-
-
 class GrpoReferenceStepTest(absltest.TestCase):
 
   def test_policy_matches_the_reference(self):
-    _, _, before, after = _grpo()
-    want = _grpo_reference()
+    run, want = _grpo(), _grpo_reference()
+    before, after = run.before['policy'], run.after['policy']
     self.assertGreater(_dist(want.policy, before), 1000 * ATOL, 'the policy barely moved')
     self.assertEqual(sorted(after), sorted(want.policy))
     for k in after:
@@ -299,6 +313,39 @@ class GrpoReferenceStepTest(absltest.TestCase):
       self.assertGreater((side & m & (r.advantages < 0)).sum(), 0)
     self.assertGreater((~r.kept & m).sum(), 0)  # Some tokens are clipped away ...
     self.assertGreater((r.kept & m & ((r.ratio < lo) | (r.ratio > hi))).sum(), 0)  # ... others out but kept.
+
+
+class ReferenceSelfTest(absltest.TestCase):
+  """The reference's scalar parts against numbers worked out by hand."""
+
+  def test_skip_observation_gae_by_hand(self):
+    # t: 0 prompt, 1 action, 2 action, 3 observation (its value and reward must not matter), 4 action, 5 pad.
+    values = np.array([[0.0, 0.5, 0.2, 9.0, -0.3, 0.0]])
+    rewards = np.array([[0.0, 0.0, 0.0, 7.0, 1.0, 0.0]])
+    mask = np.array([[0, 1, 1, 0, 1, 0]], bool)
+    # gamma 0.9, lambda 0.5: delta_4 = 1 + 0.9 * boot + 0.3, delta_2 = 0.9 * -0.3 - 0.2 = -0.47,
+    # delta_1 = 0.9 * 0.2 - 0.5 = -0.32, A_k = delta_k + 0.45 A_{k+1}.
+    for boot, want_adv in ((0.0, [-0.26825, 0.115, 1.3]), (2.0, [0.09625, 0.925, 3.1])):
+      adv, ret = ref.gae(rewards, values, mask, [boot], 0.9, [0.5])
+      np.testing.assert_allclose(adv[0, [1, 2, 4]], want_adv, rtol=1e-12)
+      np.testing.assert_allclose(ret[0, [1, 2, 4]], np.array(want_adv) + [0.5, 0.2, -0.3], rtol=1e-12)
+      self.assertTrue(np.all(adv[0, [0, 3, 5]] == 0) and np.all(ret[0, [0, 3, 5]] == 0))
+    # gamma = lambda = 1: returns are Monte Carlo (reward + bootstrap) at every action token.
+    _, ret = ref.gae(rewards, values, mask, [2.0], 1.0, [1.0])
+    np.testing.assert_allclose(ret[0, [1, 2, 4]], 3.0, rtol=1e-12)
+
+  def test_adaptive_lambda_by_hand(self):
+    mask = np.array([[0, 1, 1, 0, 1], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], bool)
+    np.testing.assert_allclose(ref.adaptive_lambda(mask, 1.5), [1 - 1 / 4.5, 1 - 1 / 1.5, 0.0], rtol=1e-12)
+
+  def test_group_advantages_by_hand(self):
+    s = dataclasses.replace(GRPO, group_eps=0.0)
+    rewards = np.array([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 6.0])
+    # Group 1: mean 0.5, Bessel std sqrt(1/3); group 2: mean 3, std 2.
+    a = 0.5 * 3 ** 0.5
+    np.testing.assert_allclose(ref.grpo_advantages(rewards, s), [a, -a, -a, a, -0.5, -0.5, -0.5, 1.5], rtol=1e-12)
+    np.testing.assert_allclose(ref.grpo_advantages(rewards, s, ref.GrpoVariant(baseline='leave_one_out')),
+                               [2 / 3, -2 / 3, -2 / 3, 2 / 3, -4 / 3, -4 / 3, -4 / 3, 4], rtol=1e-12)
 
 
 class WrongVariantsTest(absltest.TestCase):
@@ -317,7 +364,7 @@ class WrongVariantsTest(absltest.TestCase):
         self.assertGreater(d, MARGIN * ATOL, name)
 
   def test_grpo_wrong_variants_are_far(self):
-    after = _grpo()[-1]
+    after = _grpo().after['policy']
     rows = [('GRPO as specified', _dist(_grpo_reference().policy, after))]
     for name, variant in GRPO_WRONG.items():
       rows.append((name, _dist(_grpo_reference(variant).policy, after)))
