@@ -18,8 +18,10 @@ def _traj(tokens, mask, logp, reward, **kwargs):
                           behavior_logprobs=np.asarray(logp, np.float32), reward=reward, **kwargs)
 
 
-# Row A: prompt 2, action 2, observation 1, action 1 (reward on position 5). Row B: prompt 1, action 3.
-_A = dict(tokens=[5, 6, 7, 8, 9, 10], mask=[0, 0, 1, 1, 0, 1], logp=[0, 0, -0.1, -0.2, 0, -0.3], reward=1.0)
+# Row A: prompt 2, action 2, observation 1, action 1, observation 1 (reward on position 5). Row B: prompt 1,
+# action 3 (reward on its last token).
+_A = dict(tokens=[5, 6, 7, 8, 9, 10, 15], mask=[0, 0, 1, 1, 0, 1, 0], logp=[0, 0, -0.1, -0.2, 0, -0.3, 0],
+          reward=1.0)
 _B = dict(tokens=[11, 12, 13, 14], mask=[0, 1, 1, 1], logp=[0, -0.4, -0.5, -0.6], reward=-0.5)
 
 
@@ -31,8 +33,8 @@ class PackTest(parameterized.TestCase):
     packed = rollout.pack([a, b], seq_buckets=(4, 8, 16), pad_id=0, rows=3)
     batch = packed.batch
     self.assertIsInstance(batch, types.Batch)
-    self.assertEqual(batch.shape, (3, 8))  # The smallest bucket >= 6 tokens; one padding row.
-    np.testing.assert_array_equal(batch.tokens, [[5, 6, 7, 8, 9, 10, 0, 0], [11, 12, 13, 14, 0, 0, 0, 0],
+    self.assertEqual(batch.shape, (3, 8))  # The smallest bucket >= 7 tokens; one padding row.
+    np.testing.assert_array_equal(batch.tokens, [[5, 6, 7, 8, 9, 10, 15, 0], [11, 12, 13, 14, 0, 0, 0, 0],
                                                  [0] * 8])
     np.testing.assert_array_equal(batch.action_mask, [[0, 0, 1, 1, 0, 1, 0, 0], [0, 1, 1, 1, 0, 0, 0, 0], [0] * 8])
     np.testing.assert_allclose(batch.behavior_logprobs, [[0, 0, -0.1, -0.2, 0, -0.3, 0, 0],
@@ -111,7 +113,7 @@ class PackTest(parameterized.TestCase):
 
   def test_errors(self):
     a = _traj(**_A)
-    with self.assertRaisesRegex(ValueError, r'6 tokens does not fit config.trainer.seq_buckets=\(4, 5\)'):
+    with self.assertRaisesRegex(ValueError, r'7 tokens does not fit config.trainer.seq_buckets=\(4, 5\)'):
       rollout.pack([a], seq_buckets=(5, 4), pad_id=0)
     with self.assertRaisesRegex(ValueError, '2 trajectories to pack into 1 rows'):
       rollout.pack([a, a], seq_buckets=(8,), pad_id=0, rows=1)
