@@ -12,6 +12,7 @@ from absl.testing import parameterized
 import numpy as np
 
 from sao_jax import envs
+from sao_jax import rollout
 from sao_jax.errors import ConfigError
 from sao_jax.envs import code
 from sao_jax.envs import sandbox as sandbox_lib
@@ -299,7 +300,7 @@ class CodeEpisodeTest(absltest.TestCase):
       ids = tok.encode(queue.pop(0)) + [tok.eos_id]
       return ids, [-0.5] * len(ids)
 
-    traj = envs.run_episode(task.make_env(ex), tok, gen, limits=envs.EpisodeLimits(2, 128, 1024))
+    traj = rollout.run_episode(task.make_env(ex), tok, gen, limits=rollout.EpisodeLimits(2, 128, 1024))
     self.assertEqual(traj.reward, 1.0)
     self.assertFalse(traj.truncated)
     report = code.feedback_text(code.TestReport(0, 3, ('add(1, 2) returned -1', 'add(-5, 5) returned -10',

@@ -9,6 +9,7 @@ from absl.testing import parameterized
 
 from sao_jax import config_lib
 from sao_jax import envs
+from sao_jax import rollout
 from sao_jax.errors import ConfigError
 from sao_jax.envs import base
 from sao_jax.envs import sandbox
@@ -97,7 +98,7 @@ class TaskConfigTest(parameterized.TestCase):
 
   def test_episode_limits_from_config(self):
     config = importlib.import_module('configs.calculator').get_config()
-    self.assertEqual(envs.EpisodeLimits.from_config(config), envs.EpisodeLimits(4, 48, 512))
+    self.assertEqual(rollout.EpisodeLimits.from_config(config), rollout.EpisodeLimits(4, 48, 512))
 
   def test_validate_names_task_fields(self):
     config = importlib.import_module('configs.math').get_config()
