@@ -5,7 +5,8 @@
     env = task.make_env(next(it))
     messages = env.reset()
     obs, reward, done, info = env.step(action_text)
-    traj = envs.episode_to_trajectory(prompt_ids, turns, reward, truncated=...)
+
+Text level only: no jax, no models (tokens and the episode -> token layout live in `sao_jax.rollout`).
 
 Names are resolved lazily (PEP 562), so a verifier worker process that imports `sao_jax.envs.verifier`
 does not pay for jax. Task modules (arith, calculator, code, math, drift) are imported by the registry.
@@ -14,9 +15,8 @@ does not pay for jax. Task modules (arith, calculator, code, math, drift) are im
 import importlib
 
 _EXPORTS = {
-    'BaseEnv': 'base', 'Env': 'base', 'EpisodeLimits': 'base', 'episode_to_trajectory': 'base',
-    'Example': 'base', 'ExampleIterator': 'base', 'guarded_step': 'base', 'message_observation_ids': 'base',
-    'run_episode': 'base', 'StepResult': 'base', 'Task': 'base', 'Turn': 'base',
+    'BaseEnv': 'base', 'Env': 'base', 'Example': 'base', 'ExampleIterator': 'base', 'guarded_step': 'base',
+    'StepResult': 'base', 'Task': 'base',
     'get_task': 'registry', 'register_task': 'registry', 'task_names': 'registry',
     'validate_task_config': 'registry',
 }

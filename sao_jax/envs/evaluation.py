@@ -14,12 +14,14 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sao_jax import types
 from sao_jax.envs import base
+
+if TYPE_CHECKING:  # Annotations only: envs imports no jax (sao_jax.types holds jax arrays).
+  from sao_jax import types
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -6,9 +6,12 @@
 - `decode`: the cached forward pass (`DecodeCache`, `decode_weights`, `forward`), run by the Decoder and the sampler.
 - `logprobs`: `token_logprobs(model, tokens, ...)` (DESIGN alignment, chunked over positions).
 - `value`: `ValueModel` (backbone + zero scalar head), `ValueModel.from_policy`, `CRITIC_ATTENTION`.
+- `build`: `build(config.model, mesh=, rules=, seed=) -> (model, model_config)`, named config or HF weights.
+- `sampler` / `sampling`: the KV-cache `Sampler` (weights snapshots with versions), `SamplingParams`.
 - `hf_io`: `load_hf(dir, dtype=, mesh=, rules=)`, `save_hf(model, cfg, dir, tokenizer_dir=)`.
 """
 
+from sao_jax.models.build import build
 from sao_jax.models.config import MODEL_NAMES, ModelConfig, get_model_config
 from sao_jax.models.decode import DecodeCache
 from sao_jax.models.llama import Decoder

@@ -29,6 +29,13 @@ the batch to a power of two (padding rows generate nothing) and the cache length
 token bucket (grown to a power of two if a continuation needs more room). `Sampler.num_compiled()` counts
 the compiled programs.
 
+Weights are published as an immutable `WeightsSnapshot(weights, version)` (`update_weights`, an atomic
+reference swap, safe from another thread); every `generate` / `continue_generation` call reads the snapshot
+once and runs all its programs (prefill and every decode segment) on it, and returns its version
+(`SampleOutput.version`): a weight swap during a call takes effect at the next call, never inside one turn.
+A continued episode may switch weights between turns (its cache keeps the history computed by the older
+weights: turn-level partial rollout).
+
 Token alignment of the outputs: `tokens[b, j]` is the j-th generated token of row b, `logprobs[b, j] =
 log pi(tokens[b, j] | prefix)` under the policy at temperature 1 and `sampling_logprobs[b, j]` the
 log-probability under the distribution actually sampled from (`sampling.select_tokens`); entries at
@@ -179,6 +186,13 @@ def _decode_impl(st: _Static, num_steps: int, weights: DecodeWeights, cache: Dec
 # Host API.
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightsSnapshot:
+  """Decode-layout weights and the policy version they belong to (immutable; swapped as a whole)."""
+  weights: DecodeWeights
+  version: int
+
+
 @dataclasses.dataclass
 class EpisodeState:
   """What `Sampler.continue_generation` needs to extend an episode (device cache + host bookkeeping).
@@ -208,6 +222,7 @@ class SampleOutput:
     logprobs: float32 `[B, N]` log pi(token) under the policy at temperature 1; 0 after `lengths[b]`.
     sampling_logprobs: float32 `[B, N]` log-prob under the distribution sampled from (== logprobs when
       sampling at temperature 1 without top-p/top-k and without banned tokens).
+    version: the policy version of the weights this call used (one snapshot for the whole call).
     state: an `EpisodeState` to continue from (when requested), else None.
     timings: seconds spent in `prefill` and in `decode` (prefill is synchronised only when timing).
   """
@@ -216,6 +231,7 @@ class SampleOutput:
   stop_reason: np.ndarray
   logprobs: np.ndarray
   sampling_logprobs: np.ndarray
+  version: int = 0
   state: EpisodeState | None = None
   timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -240,11 +256,12 @@ class Sampler:
       one); longer chunks use the next power of two. Default: powers of two >= 16.
     min_new_bucket: smallest new-token bucket (buckets are powers of two >= this).
     bucket_batch: pad the batch to a power of two (bounded compiles when batch sizes vary).
+    version: policy version of `model`'s weights.
   """
 
   def __init__(self, model: nnx.Module, *, stop_ids: Sequence[int] | None = None, pad_id: int | None = None,
                prompt_buckets: Sequence[int] | None = None, min_new_bucket: int = 16,
-               bucket_batch: bool = True):
+               bucket_batch: bool = True, version: int = 0):
     self.cfg: ModelConfig = model.cfg
     self.stop_ids = tuple(int(i) for i in (self.cfg.eos_ids if stop_ids is None else stop_ids))
     self.pad_id = int(self.cfg.pad_id if pad_id is None else pad_id)
@@ -268,20 +285,37 @@ class Sampler:
     self._resize = jax.jit(fresh(resize_cache), static_argnums=(1,))  # Copies: nothing to donate.
     self._prefill = jax.jit(fresh(_prefill_impl), static_argnums=(0,), donate_argnums=(2,))
     self._decode = jax.jit(fresh(_decode_impl), static_argnums=(0, 1), donate_argnums=(3,))
-    self.weights: DecodeWeights | None = None
-    self.update_weights(model)
+    self._snapshot: WeightsSnapshot | None = None
+    self.update_weights(model, version=version)
 
   @classmethod
   def from_config(cls, model: nnx.Module, sampler_config: Any, **kwargs) -> Sampler:
     """A sampler with `config.sampler.prompt_buckets`."""
     return cls(model, prompt_buckets=tuple(sampler_config.prompt_buckets), **kwargs)
 
-  def update_weights(self, model: nnx.Module) -> None:
-    """Copies the (new) weights of `model` into decode layout (one jitted call; no recompile of sampling)."""
+  def update_weights(self, model: nnx.Module, *, version: int | None = None) -> None:
+    """Publishes `model`'s weights, in decode layout, as the snapshot of policy `version` (default: the
+    current version + 1). One jitted conversion, then an atomic swap of the snapshot reference: calls in
+    flight finish on the snapshot they took; no sampling program is recompiled."""
     if model.cfg != self.cfg:
       raise ValueError('Sampler.update_weights: the model config differs from the one the sampler was built for.')
+    if version is None:
+      version = self._snapshot.version + 1
     graphdef, state = nnx.split(model)
-    self.weights = self._prepare(graphdef, state)
+    self._snapshot = WeightsSnapshot(self._prepare(graphdef, state), int(version))
+
+  @property
+  def snapshot(self) -> WeightsSnapshot:
+    """The current (weights, version); a call reads it once."""
+    return self._snapshot
+
+  @property
+  def weights(self) -> DecodeWeights:
+    return self._snapshot.weights
+
+  @property
+  def version(self) -> int:
+    return self._snapshot.version
 
   def num_compiled(self) -> dict[str, int]:
     """Number of compiled programs per jitted function (prefill, decode, cache init/resize)."""
@@ -323,8 +357,9 @@ class Sampler:
       time_prefill: synchronise after prefill and report `timings['prefill']` (benchmarks).
 
     Returns:
-      A `SampleOutput`.
+      A `SampleOutput` (with the version of the weights snapshot it used).
     """
+    snapshot = self._snapshot  # Read once: the whole call runs on these weights.
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts:
       raise ValueError('generate: prompts is empty.')
@@ -342,7 +377,7 @@ class Sampler:
     seeds_np = self._seeds(seeds, b, bp)
     cache = self._init_cache(self.cfg, bp, s)
     chunk, valid = self._left_pad(prompts, bp, t)
-    return self._run(cache, chunk, valid, seeds_np, budgets, n, params, min_new_tokens, b, keep_state,
+    return self._run(snapshot, cache, chunk, valid, seeds_np, budgets, n, params, min_new_tokens, b, keep_state,
                      time_prefill, need=t + n)
 
   def continue_generation(self, state: EpisodeState, observations: Sequence[Sequence[int] | None], *,
@@ -359,7 +394,12 @@ class Sampler:
       state: the `EpisodeState` returned by the previous call (its cache is donated: do not reuse it).
       observations: one token list (may be empty) or None per row.
       max_new_tokens, params, min_new_tokens, keep_state, time_prefill: as in `generate`.
+
+    Returns:
+      A `SampleOutput`; its version is that of the snapshot current at this call (the cached history may come
+      from an older one).
     """
+    snapshot = self._snapshot  # Read once: the whole call runs on these weights.
     b = state.batch_size
     if len(observations) != b:
       raise ValueError(f'continue_generation: got {len(observations)} observations for a batch of {b}.')
@@ -384,7 +424,7 @@ class Sampler:
     if need > cache.max_len:
       cache = self._resize(cache, _next_pow2(need))
     chunk, valid = self._left_pad(chunks, bp, t)
-    out = self._run(cache, chunk, valid, state.seeds, budgets, n, params, min_new_tokens, b, keep_state,
+    out = self._run(snapshot, cache, chunk, valid, state.seeds, budgets, n, params, min_new_tokens, b, keep_state,
                     time_prefill, need=need)
     if out.state is not None:  # Rows that took no part keep their pending token.
       keep = ~active
@@ -429,15 +469,15 @@ class Sampler:
         valid[i, t - len(c):] = True
     return tokens, valid
 
-  def _run(self, cache, chunk, valid, seeds, budgets, n, params, min_new_tokens, b, keep_state, time_prefill,
-           need):
+  def _run(self, snapshot: WeightsSnapshot, cache, chunk, valid, seeds, budgets, n, params, min_new_tokens, b,
+           keep_state, time_prefill, need):
     # Attention window: the slots this call can fill, bucketed (a power of two), at most the cache length.
     window = min(cache.max_len, _next_pow2(need, 32))
     st = _Static(self.cfg, params, self.stop_ids, self.pad_id, window)
     min_new = jnp.asarray(min_new_tokens, jnp.int32)
     seeds_d, budgets_d = jnp.asarray(seeds), jnp.asarray(budgets)
     t0 = time.perf_counter()
-    cache, tok, lp, slp, reason = self._prefill(st, self.weights, cache, jnp.asarray(chunk), jnp.asarray(valid),
+    cache, tok, lp, slp, reason = self._prefill(st, snapshot.weights, cache, jnp.asarray(chunk), jnp.asarray(valid),
                                                 seeds_d, budgets_d, min_new)
     timings = {}
     if time_prefill:
@@ -445,7 +485,7 @@ class Sampler:
       timings['prefill'] = time.perf_counter() - t0
     t1 = time.perf_counter()
     cache, tokens, lps, slps, lengths, reason, last = self._decode(
-        st, n, self.weights, cache, tok, lp, slp, reason, seeds_d, budgets_d, min_new)
+        st, n, snapshot.weights, cache, tok, lp, slp, reason, seeds_d, budgets_d, min_new)
     tokens, lps, slps, lengths, reason, last = jax.device_get((tokens, lps, slps, lengths, reason, last))
     timings['decode'] = time.perf_counter() - t1
     timings['total'] = time.perf_counter() - t0
@@ -455,4 +495,5 @@ class Sampler:
                            has_pending=np.asarray(lengths) > 0, batch_size=b)
     return SampleOutput(tokens=np.asarray(tokens[:b]), lengths=np.asarray(lengths[:b]),
                         stop_reason=np.asarray(reason[:b]), logprobs=np.asarray(lps[:b]),
-                        sampling_logprobs=np.asarray(slps[:b]), state=state, timings=timings)
+                        sampling_logprobs=np.asarray(slps[:b]), version=snapshot.version, state=state,
+                        timings=timings)

@@ -48,6 +48,12 @@ class SamplingParams:
     if not isinstance(self.top_k, int) or self.top_k < 0:
       raise ValueError(f'SamplingParams.top_k must be an int >= 0, got {self.top_k!r}.')
 
+  @classmethod
+  def from_config(cls, sampler_config) -> SamplingParams:
+    """From `config.sampler` (its `temperature`, `top_p`, `top_k`); the full config is accepted too."""
+    s = getattr(sampler_config, 'sampler', sampler_config)
+    return cls(temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k))
+
   @property
   def greedy(self) -> bool:
     return self.temperature == 0.0

@@ -1,0 +1,69 @@
+"""The policy `Decoder` from `config.model`: the one place eval's CLI and the trainer build a model.
+
+    model, model_config = models.build(config.model, mesh=mesh, rules=config.mesh.rules, seed=config.seed)
+
+`config.model.hf_dir` set: the weights (and the architecture) of that HF checkpoint (`hf_io.load_hf`, read
+shard by shard onto the mesh). Otherwise `config.model.name` is a named config (`get_model_config`), randomly
+initialised from `seed`; with a mesh the parameters are created directly sharded (inside one jit, with
+`out_shardings` from their logical axis names), so the whole model never sits on one device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from sao_jax.errors import ConfigError
+from sao_jax.models import hf_io
+from sao_jax.models.config import MODEL_NAMES, ModelConfig, get_model_config
+from sao_jax.models.llama import Decoder
+
+
+def build(model_config: Any, *, mesh: Mesh | None = None, rules: Sequence[Any] | None = None,
+          seed: int = 0) -> tuple[Decoder, ModelConfig]:
+  """Builds the policy named by `config.model`.
+
+  Args:
+    model_config: `config.model` (`name`, `hf_dir`, `dtype`, `remat`); the full config is accepted too.
+    mesh: place the parameters on this mesh (default: the first device).
+    rules: logical-axis -> mesh-axis pairs (`config.mesh.rules`); None = replicated on `mesh`.
+    seed: init seed of a named (randomly initialised) model.
+
+  Returns:
+    `(model, model_config)`.
+
+  Raises:
+    ConfigError: `name='hf'` without `hf_dir`, or an unknown name.
+  """
+  m = getattr(model_config, 'model', model_config)
+  overrides = {'dtype': str(m.dtype), 'remat': bool(getattr(m, 'remat', False))}
+  hf_dir = str(getattr(m, 'hf_dir', '') or '')
+  if hf_dir:
+    return hf_io.load_hf(hf_dir, mesh=mesh, rules=rules, **overrides)
+  if m.name == 'hf':
+    raise ConfigError("config.model.name='hf' needs config.model.hf_dir (an HF checkpoint directory).")
+  if m.name not in MODEL_NAMES:
+    raise ConfigError(f'config.model.name={m.name!r}: expected one of {", ".join(MODEL_NAMES)} or "hf".')
+  cfg = get_model_config(m.name, **overrides)
+
+  def make() -> Decoder:
+    return Decoder(cfg, rngs=nnx.Rngs(seed))
+
+  if mesh is None:
+    return make(), cfg
+  from sao_jax import parallel  # pylint: disable=g-import-not-at-top  # Same-level room (as hf_io does).
+
+  box = {}
+
+  def init():
+    with nnx.use_eager_sharding(False):
+      box['graphdef'], state = nnx.split(make())
+    return state
+
+  abstract = jax.eval_shape(init)
+  shardings = parallel.tree_shardings(abstract, mesh, tuple(rules or ()))
+  state = jax.jit(init, out_shardings=shardings)()
+  return nnx.merge(box['graphdef'], state), cfg

@@ -1,0 +1,20 @@
+"""Rollout: the ONE episode runner, its generation backends, the episode -> token layout and packing.
+
+    backend = SamplerBackend(model, stop_ids=stop_ids_for(env, tokenizer), pad_id=tokenizer.pad_id,
+                             max_total_len=config.sampler.max_seq_len, version=step)
+    trajs = run_episodes(backend, tokenizer, envs, limits=EpisodeLimits.from_config(config),
+                         decoding=SamplingParams.from_config(config.sampler), seeds=seeds, group_ids=group_ids)
+    packed = pack(trajs, seq_buckets=config.trainer.seq_buckets, pad_id=tokenizer.pad_id,
+                  rows=config.trainer.batch_size, group_size=config.algo.group_size,
+                  truncation=config.algo.truncation)
+
+- `backends`: `Backend` protocol, `Generation`, `SamplerBackend` (KV-cache sampler), `ContextBackend`.
+- `episodes`: `EpisodeLimits`, `run_episodes` (batched, multi-turn), `run_episode` (one episode, same loop).
+- `layout`: `Turn`, `episode_to_trajectory`, `message_observation_ids`, `stop_ids_for`, `safe_decode`.
+- `pack`: `pack(...) -> Packed(batch, kept, dropped)`, `check_batch`, `DROP_REASONS`.
+"""
+
+from sao_jax.rollout.backends import Backend, ContextBackend, GenerateFn, Generation, SamplerBackend
+from sao_jax.rollout.episodes import EpisodeLimits, run_episode, run_episodes
+from sao_jax.rollout.layout import Turn, episode_to_trajectory, message_observation_ids, safe_decode, stop_ids_for
+from sao_jax.rollout.pack import DROP_REASONS, Packed, check_batch, pack
