@@ -26,5 +26,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   ))
   c.sampler.max_new_tokens = 16  # '<answer>-9801</answer><|end|>' is 9 char tokens.
   c.sampler.max_seq_len = 128  # Prompt (~60 char tokens) + answer.
-  c.algo.eps_low, c.algo.eps_high = 0.3, 5.0  # SAO's math setting.
   return c

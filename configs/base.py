@@ -1,13 +1,14 @@
 """Base configuration: every knob of sao_jax, with its default and a one-line comment.
 
 Task configs (`configs/arith.py`, `configs/imo.py`, ...) start from `get_config()` here and override.
-Ablations are flags: `--config.algo.clip_mode=ppo`. `sao_jax.config_lib.validate` checks a config at start
-and names the offending field.
+Algorithms are presets (`--config.algo.name=ppo`); ablations are flags (`--config.algo.clip_mode=ppo`).
+`sao_jax.config_lib.validate` checks a config at start and names the offending field.
 
 Usage: `python -m sao_jax.main --config=configs/base.py[:arg]`.
 """
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -18,32 +19,37 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.workdir = ''  # Output dir (checkpoints, metrics); the --workdir flag overrides it when given.
 
   # ---- Algorithm: which RL objective, and its loss / advantage settings.
+  # `algo.name` selects a PRESET (`sao_jax.learner.algo.PRESETS`) of the settings that define the algorithm.
+  # Fields marked [preset] are None here, meaning "the preset's value"; setting one to another value is an
+  # ablation: allowed, logged at start and listed in `algo.ablations`.
   c.algo = a = ml_collections.ConfigDict()
   a.name = 'sao'  # One of: sao, ppo, grpo, dr_grpo, dapo, gspo, rloo.
-  a.clip_mode = 'double_side'  # Policy ratio handling: double_side (SAO), ppo, dual_clip, gspo.
-  a.eps_low = 0.3  # Lower band: tokens with ratio <= 1 - eps_low are cut (SAO math: 0.3; agentic: 0.8).
-  a.eps_high = 5.0  # Upper band: tokens with ratio >= 1 + eps_high are cut (SAO math: 5.0; agentic: 3.0).
+  a.domain = 'math'  # Which published setting of the preset: math or agentic (SAO's band: (0.3, 5.0) / (0.8, 3.0)).
+  a.ablations = ()  # Filled at start (do not set): each [preset] field changed, 'path: preset -> set'.
+  a.clip_mode = placeholder(str)  # [preset] Policy ratio handling: double_side (SAO), ppo, dual_clip, gspo.
+  a.eps_low = placeholder(float)  # [preset] Lower band: ratio <= 1 - eps_low is cut (SAO math 0.3, agentic 0.8).
+  a.eps_high = placeholder(float)  # [preset] Upper band: ratio >= 1 + eps_high is cut (SAO math 5.0, agentic 3.0).
   a.dual_clip_c = 3.0  # dual_clip only: lower bound c*A on the surrogate for negative advantages (c > 1).
-  a.agg = 'token_mean'  # Loss aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum.
+  a.agg = placeholder(str)  # [preset] Loss aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum.
   a.agg_max_len = 0  # seq_mean_token_sum divisor (Dr.GRPO constant); 0 = the padded sequence length T.
   a.behavior_correction = 'none'  # Decoupled PPO (needs proximal log-probs): none, tis, icepop.
   a.tis_cap = 2.0  # tis: cap C on the behaviour weight pi_prox / pi_behavior.
   a.icepop_low = 0.5  # icepop: behaviour weights below this are masked to 0.
   a.icepop_high = 2.0  # icepop: behaviour weights above this are masked to 0.
   a.gamma = 1.0  # Discount of the token-level MDP.
-  a.lam_critic = 1.0  # GAE lambda for the critic's value targets (SAO: 1, Monte Carlo returns).
-  a.lam_policy = -1.0  # GAE lambda for policy advantages; < 0 means length-adaptive 1 - 1/(alpha * len).
-  a.adaptive_alpha = 1.5  # alpha of the length-adaptive lambda.
+  a.lam_critic = placeholder(float)  # [preset] GAE lambda of the critic's value targets (SAO: 1, Monte Carlo).
+  a.lam_policy = placeholder(float)  # [preset] GAE lambda of policy advantages; < 0: adaptive 1 - 1/(alpha*len).
+  a.adaptive_alpha = placeholder(float)  # [preset] alpha of the length-adaptive lambda (SAO: 1.5).
   a.whiten_advantages = False  # Masked whitening of advantages over the batch's action tokens.
-  a.advantages_from = 'updated_critic'  # SAO order: 'updated_critic' (after K critic updates) or 'pre_update'.
-  a.critic_epochs = 2  # K: critic updates per policy update, on fixed returns.
-  a.critic_warmup_steps = 10  # Learner steps that train the critic only, before the policy moves.
+  a.advantages_from = placeholder(str)  # [preset] 'updated_critic' (after the K critic updates) or 'pre_update'.
+  a.critic_epochs = placeholder(int)  # [preset] K: critic updates per policy update, on fixed returns.
+  a.critic_warmup_steps = placeholder(int)  # [preset] Learner steps that train the critic only.
   a.value_clip_eps = 0.0  # > 0 enables PPO-style value clipping (a baseline option, not SAO).
   a.truncation = 'bootstrap'  # Trajectory cut by a length/turn limit: 'bootstrap' from V(last) or 'drop'.
-  a.group_size = 1  # Rollouts per prompt: 1 for SAO/PPO, G > 1 for the group baselines.
-  a.group_std_normalize = True  # Group baselines: divide by the group's reward std (GRPO) or not (Dr.GRPO).
-  a.group_baseline = 'mean'  # Group baselines: 'mean' (GRPO) or 'leave_one_out' (RLOO).
-  a.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal (zero advantage).
+  a.group_size = placeholder(int)  # [preset] Rollouts per prompt: 1 for SAO/PPO, G >= 2 for the group baselines.
+  a.group_std_normalize = placeholder(bool)  # [preset] Group baselines: divide by the group's reward std (GRPO).
+  a.group_baseline = placeholder(str)  # [preset] Group baselines: 'mean' (GRPO) or 'leave_one_out' (RLOO).
+  a.dynamic_sampling = placeholder(bool)  # [preset] DAPO: drop groups whose rewards are all equal.
   a.kl_coef = 0.0  # Coefficient of the KL penalty to the reference policy (0 = off, no reference model).
   a.kl_estimator = 'k3'  # KL estimator for the penalty: k1, k2, k3.
   a.entropy_coef = 0.0  # Entropy bonus coefficient (0 = off).
@@ -62,7 +68,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   o.eps = 1e-8  # AdamW epsilon.
   o.weight_decay = 0.0  # AdamW decoupled weight decay.
   o.grad_clip = 1.0  # Global-norm gradient clipping (0 = off).
-  o.freeze_critic_attention = True  # SAO: critic attention weights get no gradient and no optimizer state.
+  o.freeze_critic_attention = placeholder(bool)  # [preset] Critic attention weights get no gradient (SAO: on).
   o.max_consecutive_skips = 5  # Stop the run after this many consecutive non-finite updates.
 
   # ---- Model.

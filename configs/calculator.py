@@ -25,5 +25,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   ))
   c.sampler.max_new_tokens = 48  # Per turn.
   c.sampler.max_seq_len = 512  # Whole episode: prompt (~220 char tokens) + turns + observations.
-  c.algo.eps_low, c.algo.eps_high = 0.8, 3.0  # SAO's agentic setting.
+  c.algo.domain = 'agentic'  # The presets' agentic setting (SAO: band (0.8, 3.0)).
   return c

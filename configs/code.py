@@ -7,6 +7,7 @@ A real run sets `--config.model.name=... --config.model.hf_dir=... --config.mode
 import ml_collections
 
 from configs import base
+from sao_jax.envs import code
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -15,6 +16,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.task.max_turns = 3  # Attempts: each failed attempt's test report is the next observation.
   c.task.eval_size = 4  # Held-out problems (the sample has 22).
   kwargs = dict(
+      data_file=arg or code.DEFAULT_DATA,  # Problems file (jsonl/json/csv/parquet).
+      eval_file='',  # Separate eval problems ('' = hold out eval_size problems of data_file).
       reward='all',  # 1 iff every hidden test passes ('fraction' = share passed).
       feedback='inputs',  # Show failing inputs and outputs, not expected values.
       timeout_s=10.0,  # Wall clock per attempt.
@@ -23,10 +26,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       memory_mb=512,  # RLIMIT_AS per attempt.
       isolation='auto',  # bwrap where installed; weaker fallbacks log a warning.
   )
-  if arg:
-    kwargs['data_file'] = arg  # Problems file (jsonl/json/csv/parquet).
-  c.task.kwargs = ml_collections.ConfigDict(kwargs)
+  c.task.kwargs = ml_collections.ConfigDict(kwargs)  # Each kwarg settable: --config.task.kwargs.data_file=F.
   c.sampler.max_new_tokens = 256  # Per attempt.
   c.sampler.max_seq_len = 1024  # Prompt + attempts + test reports.
-  c.algo.eps_low, c.algo.eps_high = 0.8, 3.0  # SAO's agentic setting.
+  c.algo.domain = 'agentic'  # The presets' agentic setting (SAO: band (0.8, 3.0)).
   return c

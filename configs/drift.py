@@ -26,5 +26,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   ))
   c.sampler.max_new_tokens = 16  # Short answers.
   c.sampler.max_seq_len = 128  # Prompt + answer.
-  c.algo.eps_low, c.algo.eps_high = 0.3, 5.0  # SAO's math setting.
   return c

@@ -22,6 +22,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.task.eval_size = 2  # Held out (use eval_file for a separate benchmark file).
   c.task.kwargs = ml_collections.ConfigDict(dict(
       data_file=arg or _SAMPLE,  # IMO-AnswerBench CSV/JSONL/Parquet.
+      eval_file='',  # Separate eval problems ('' = hold out eval_size problems of data_file).
       layout='imo_answerbench',  # Fields: Problem ID / Problem / Short Answer.
       verify_timeout_s=10.0,  # Olympiad answers (sets, expressions) can take sympy a while.
       verify_workers=2,  # math-verify worker processes.
@@ -30,5 +31,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.max_seq_len = 5120  # Prompt + response.
   c.sampler.prompt_buckets = (256, 512, 1024)  # Olympiad statements are longer.
   c.trainer.seq_buckets = (1024, 2048, 4096, 5120)  # Packed lengths.
-  c.algo.eps_low, c.algo.eps_high = 0.3, 5.0  # SAO's math setting.
   return c

@@ -121,6 +121,25 @@ def _single_device_target(tree: Any) -> Any:
 # The manager.
 
 
+def check_config(config: Any, *, need_workdir: bool = True) -> None:
+  """The checkpointer's checks (run by `Checkpointer.from_config` and by `sao_jax.config_lib.validate`).
+
+  `config.trainer.keep_checkpoints >= 1`; with `need_workdir`, a `config.workdir` that is set and is not a file.
+
+  Raises:
+    ConfigError: naming the field.
+  """
+  keep = config.trainer.keep_checkpoints
+  if keep < 1:
+    raise ConfigError(f'config.trainer.keep_checkpoints={keep}: must be >= 1.')
+  if need_workdir:
+    if not config.workdir:
+      raise ConfigError("config.workdir='': checkpoints need a work directory (--workdir, or "
+                        'config.trainer.checkpoint_every=0).')
+    if os.path.exists(config.workdir) and not os.path.isdir(config.workdir):
+      raise ConfigError(f'config.workdir={config.workdir!r} exists and is not a directory.')
+
+
 class Checkpointer:
   """Saves and restores `CheckpointState`s under one directory, keeping the newest `keep` of them.
 
@@ -149,14 +168,10 @@ class Checkpointer:
   def from_config(cls, config: Any, directory: str | None = None, **kwargs) -> Checkpointer:
     """A checkpointer in `directory` (default `<config.workdir>/checkpoints`) keeping
     `config.trainer.keep_checkpoints` checkpoints."""
-    keep = int(config.trainer.keep_checkpoints)
-    if keep < 1:
-      raise ConfigError(f'config.trainer.keep_checkpoints={keep}: must be >= 1.')
+    check_config(config, need_workdir=directory is None)
     if directory is None:
-      if not config.workdir:
-        raise ConfigError("config.workdir='' : checkpoints need a work directory (--workdir).")
       directory = os.path.join(config.workdir, 'checkpoints')
-    return cls(directory, keep=keep, **kwargs)
+    return cls(directory, keep=int(config.trainer.keep_checkpoints), **kwargs)
 
   # ---- Queries.
 

@@ -1,102 +1,336 @@
-"""Config checks that run at start: a bad config fails here, with a message naming the field."""
+"""The one config check, run by `--dry_run` and at the start of every run: a bad config fails here, naming the field.
 
+`validate(config)` resolves the algorithm's preset (`learner.algo.resolve`) and composes every check:
+
+1. the field table `FIELDS`: every leaf of `configs/base.py` has an entry (type: bool / int / float / str /
+   tuple; floats finite; a range or a choice where the field has one), and a leaf without an entry is refused,
+   so a new knob cannot arrive unchecked;
+2. relations between fields (`max_seq_len > max_new_tokens`, the largest sequence bucket holds an episode, ...);
+3. each module's own check, kept where its rule lives and shared with the module's constructor: the learner's
+   (`learner.algo.check_config`), the optimizer's (`learner.optim.check_config`), the checkpointer's
+   (`checkpoint.check_config`), multi-host (`parallel.distributed.check_config`), the task's
+   (`envs.registry.validate_task_config`: name, limits, kwargs, data files that open);
+4. the model (a named config or an HF directory, dtype, tokenizer) and the mesh: `parallel.make_mesh` over the
+   devices present and `parallel.check_layout` (batch rows and attention heads divisible by their axes).
+
+Layering: this module sits just below `main` / `trainer`; nothing it imports imports it (`ConfigError` lives in
+`sao_jax.errors` and is re-exported here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import ml_collections
+from absl import logging
 
+from sao_jax import checkpoint
+from sao_jax import parallel
 from sao_jax.envs import registry
 from sao_jax.errors import ConfigError
+from sao_jax.learner import algo as algo_lib
+from sao_jax.learner import optim as optim_lib
 from sao_jax.losses.common import AGGREGATIONS
+from sao_jax.losses.kl import KL_ESTIMATORS
+from sao_jax.losses.policy import BEHAVIOR_CORRECTIONS
 from sao_jax.losses.policy import CLIP_MODES
+from sao_jax.models import config as model_config_lib
+from sao_jax.models import hf_io
+from sao_jax.parallel import distributed
+from sao_jax.tokenizers import CharTokenizer
 
-ALGOS = ('sao', 'ppo', 'grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo')
+__all__ = ['ConfigError', 'FIELDS', 'leaf_paths', 'validate']
+
+TRAINER_MODES = ('sync', 'async')  # sync: generate then train (on-policy); async: sampler threads + queue.
+HF_MODEL = 'hf'  # config.model.name of a model read from config.model.hf_dir.
+TOKENIZERS = ('char', 'hf')  # Or a directory with tokenizer.json.
 
 
-def _get(config: ml_collections.ConfigDict, path: str) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Check:
+  """One field's check: its type and, optionally, a condition on the value with the reason shown when it fails.
+
+  `kind` is `bool`, `int`, `float` (finite; an int is accepted), `str`, `tuple` (a list is accepted) or
+  `Mapping` (a sub-config checked by its owner, e.g. `task.kwargs` by the task's options).
+  """
+  kind: type
+  ok: Callable[[Any], bool] | None = None
+  why: str = ''
+
+  def __call__(self, path: str, value: Any) -> None:
+    if not _is_kind(value, self.kind):
+      raise ConfigError(f'config.{path}={value!r} has type {type(value).__name__}; expected {self.kind.__name__}.')
+    if self.ok is not None and not self.ok(value):
+      raise ConfigError(f'config.{path}={value!r}: {self.why}')
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+  if kind is bool:
+    return isinstance(value, bool)
+  if kind is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  if kind is float:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+  if kind is tuple:
+    return isinstance(value, (tuple, list))
+  if kind is Mapping:
+    return isinstance(value, (Mapping, ml_collections.ConfigDict))
+  return isinstance(value, kind)
+
+
+def _num(kind: type, ge=None, gt=None, le=None, lt=None, why: str = '') -> Check:
+  """An int / float field within bounds (each bound optional; `ge`/`le` closed, `gt`/`lt` open)."""
+  parts = [f'>= {ge}' if ge is not None else '', f'> {gt}' if gt is not None else '',
+           f'<= {le}' if le is not None else '', f'< {lt}' if lt is not None else '']
+  rule = ' and '.join(p for p in parts if p)
+
+  def ok(v):
+    return ((ge is None or v >= ge) and (gt is None or v > gt) and (le is None or v <= le)
+            and (lt is None or v < lt))
+  return Check(kind, ok if rule else None, f'must be {rule}{". " + why if why else "."}' if rule else '')
+
+
+def _int(**bounds) -> Check:
+  return _num(int, **bounds)
+
+
+def _float(**bounds) -> Check:
+  return _num(float, **bounds)
+
+
+def _choice(choices: Sequence[str]) -> Check:
+  return Check(str, lambda v: v in choices, f'is not one of {list(choices)}.')
+
+
+def _buckets() -> Check:
+  return Check(tuple, lambda v: len(v) > 0 and all(_is_kind(b, int) and b >= 1 for b in v)
+               and all(a < b for a, b in zip(v, v[1:])), 'must be positive ints in increasing order.')
+
+
+# Every leaf of `configs/base.py` -> its check. Fields whose rule belongs to a module are typed here and checked
+# by that module in `validate` (named in the comment), so each rule is written once.
+FIELDS: dict[str, Check] = {
+    'seed': _int(ge=0),
+    'workdir': Check(str),  # And checkpoint.check_config (set when a run saves checkpoints).
+    # ---- algo
+    'algo.name': _choice(algo_lib.ALGOS),
+    'algo.domain': _choice(algo_lib.DOMAINS),
+    'algo.ablations': Check(tuple, lambda v: all(isinstance(x, str) for x in v), 'must be strings.'),
+    'algo.clip_mode': _choice(CLIP_MODES),
+    'algo.eps_low': _float(gt=0.0, lt=1.0, why='The band (1 - eps_low, 1 + eps_high) needs 0 < 1 - eps_low < 1.'),
+    'algo.eps_high': _float(gt=0.0),
+    'algo.dual_clip_c': _float(gt=1.0),
+    'algo.agg': _choice(AGGREGATIONS),
+    'algo.agg_max_len': _int(ge=0),
+    'algo.behavior_correction': _choice(BEHAVIOR_CORRECTIONS),
+    'algo.tis_cap': _float(gt=0.0),
+    'algo.icepop_low': _float(ge=0.0, le=1.0, why='An on-policy token (weight 1) must be kept.'),
+    'algo.icepop_high': _float(ge=1.0, why='An on-policy token (weight 1) must be kept.'),
+    'algo.gamma': _float(ge=0.0, le=1.0),
+    'algo.lam_critic': _float(ge=0.0, le=1.0),
+    'algo.lam_policy': _float(le=1.0, why='A value < 0 selects the length-adaptive lambda.'),
+    'algo.adaptive_alpha': _float(gt=0.0),
+    'algo.whiten_advantages': Check(bool),
+    'algo.advantages_from': _choice(algo_lib.ADVANTAGE_SOURCES),
+    'algo.critic_epochs': _int(ge=1),
+    'algo.critic_warmup_steps': _int(ge=0),
+    'algo.value_clip_eps': _float(ge=0.0),
+    'algo.truncation': _choice(algo_lib.TRUNCATIONS),
+    'algo.group_size': _int(ge=1),  # And algo.check_config (>= 2 for the group algorithms).
+    'algo.group_std_normalize': Check(bool),
+    'algo.group_baseline': _choice(algo_lib.GROUP_BASELINES),
+    'algo.dynamic_sampling': Check(bool),
+    'algo.kl_coef': _float(ge=0.0),
+    'algo.kl_estimator': _choice(KL_ESTIMATORS),
+    'algo.entropy_coef': _float(ge=0.0),
+    # ---- optim (optimizer, schedule and the cosine horizon: optim.check_config)
+    'optim.optimizer': Check(str),
+    'optim.actor_lr': _float(ge=0.0),
+    'optim.critic_lr': _float(ge=0.0),
+    'optim.schedule': Check(str),
+    'optim.warmup_steps': _int(ge=0),
+    'optim.total_steps': _int(ge=1),
+    'optim.end_lr_factor': _float(ge=0.0, le=1.0),
+    'optim.b1': _float(ge=0.0, lt=1.0),
+    'optim.b2': _float(ge=0.0, lt=1.0),
+    'optim.eps': _float(gt=0.0),
+    'optim.weight_decay': _float(ge=0.0),
+    'optim.grad_clip': _float(ge=0.0, why='0 turns clipping off.'),
+    'optim.freeze_critic_attention': Check(bool),
+    'optim.max_consecutive_skips': _int(ge=1, why='It stops a run of non-finite updates; 0 would never stop it.'),
+    # ---- model (name, hf_dir, dtype, tokenizer: _check_model)
+    'model.name': Check(str),
+    'model.hf_dir': Check(str),
+    'model.dtype': Check(str),
+    'model.tokenizer': Check(str),
+    'model.remat': Check(bool),
+    # ---- sampler
+    'sampler.temperature': _float(gt=0.0),
+    'sampler.top_p': _float(gt=0.0, le=1.0),
+    'sampler.top_k': _int(ge=0, why='0 turns the top-k cut off.'),
+    'sampler.max_new_tokens': _int(ge=1),
+    'sampler.max_seq_len': _int(ge=2),
+    'sampler.prompt_buckets': _buckets(),
+    'sampler.batch_size': _int(ge=1),
+    'sampler.num_threads': _int(ge=1),
+    # ---- task (registry.validate_task_config: name, max_turns, eval_size, kwargs by the task's options)
+    'task.name': Check(str),
+    'task.max_turns': Check(int),
+    'task.eval_size': Check(int),
+    'task.kwargs': Check(Mapping),
+    # ---- mesh (sizes: parallel.mesh_shape / make_mesh; rules: parallel.rules_dict; layout: check_layout)
+    'mesh.data': Check(int),
+    'mesh.fsdp': Check(int),
+    'mesh.tensor': Check(int),
+    'mesh.rules': Check(tuple),
+    # ---- distributed (distributed.check_config)
+    'distributed.coordinator_address': Check(str),
+    'distributed.num_processes': Check(int),
+    'distributed.process_id': Check(int),
+    # ---- trainer (batch / minibatch / microbatch / policy_epochs: algo.check_config; keep: checkpoint)
+    'trainer.mode': _choice(TRAINER_MODES),
+    'trainer.batch_size': _int(ge=1),
+    'trainer.minibatch_size': _int(ge=0, why='0 = the whole batch.'),
+    'trainer.microbatch_size': _int(ge=0, why='0 = the whole minibatch.'),
+    'trainer.policy_epochs': Check(int),
+    'trainer.num_steps': _int(ge=1),
+    'trainer.max_staleness': _int(ge=0),
+    'trainer.queue_size': _int(ge=1, why='The trajectory queue must hold at least one trajectory.'),
+    'trainer.seq_buckets': _buckets(),
+    'trainer.log_every': _int(ge=1),
+    'trainer.eval_every': _int(ge=0, why='0 = off.'),
+    'trainer.checkpoint_every': _int(ge=0, why='0 = off.'),
+    'trainer.keep_checkpoints': Check(int),
+}
+
+
+def leaf_paths(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
+  """Dotted paths of the config's leaves; a sub-config with its own `FIELDS` entry (`task.kwargs`) is one leaf."""
+  out = []
+  for key, value in config.items():
+    path = f'{prefix}{key}'
+    if isinstance(value, ml_collections.ConfigDict) and path not in FIELDS:
+      out.extend(leaf_paths(value, path + '.'))
+    else:
+      out.append(path)
+  return out
+
+
+def _get(config: Any, path: str) -> Any:
   node = config
   for part in path.split('.'):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      raise ConfigError(f'config.{path} is missing.')
     node = node[part]
   return node
 
 
-def _one_of(config, path: str, choices) -> None:
-  value = _get(config, path)
-  if value not in choices:
-    raise ConfigError(f'config.{path}={value!r} is not one of {list(choices)}.')
+def _check_fields(config: ml_collections.ConfigDict) -> None:
+  for path in leaf_paths(config):
+    if path not in FIELDS:
+      raise ConfigError(f'config.{path} is not a known field (every knob needs a check in config_lib.FIELDS).')
+  for path, check in FIELDS.items():
+    check(path, _get(config, path))
 
 
-def _check(ok: bool, path: str, value: Any, why: str) -> None:
-  if not ok:
-    raise ConfigError(f'config.{path}={value!r}: {why}')
+def _check_relations(config: ml_collections.ConfigDict) -> None:
+  a, s, tr = config.algo, config.sampler, config.trainer
+  if a.icepop_low >= a.icepop_high:
+    raise ConfigError(f'config.algo.icepop_low={a.icepop_low}: must be < config.algo.icepop_high={a.icepop_high}.')
+  if s.max_seq_len <= s.max_new_tokens:
+    raise ConfigError(f'config.sampler.max_seq_len={s.max_seq_len}: must exceed config.sampler.max_new_tokens='
+                      f'{s.max_new_tokens} (an episode holds the prompt and at least one turn).')
+  if max(tr.seq_buckets) < s.max_seq_len:
+    raise ConfigError(f'config.trainer.seq_buckets={tuple(tr.seq_buckets)}: the largest must be >= '
+                      f'config.sampler.max_seq_len={s.max_seq_len} (a whole episode is packed into one row).')
 
 
-def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Raises `ConfigError` naming the first field whose value cannot work; returns the config."""
-  a = config.algo
-  _one_of(config, 'algo.name', ALGOS)
-  _one_of(config, 'algo.clip_mode', CLIP_MODES)
-  _one_of(config, 'algo.agg', AGGREGATIONS)
-  _one_of(config, 'algo.behavior_correction', ('none', 'tis', 'icepop'))
-  _one_of(config, 'algo.advantages_from', ('updated_critic', 'pre_update'))
-  _one_of(config, 'algo.truncation', ('bootstrap', 'drop'))
-  _one_of(config, 'algo.group_baseline', ('mean', 'leave_one_out'))
-  _one_of(config, 'algo.kl_estimator', ('k1', 'k2', 'k3'))
-  _check(0.0 < a.eps_low <= 1.0, 'algo.eps_low', a.eps_low, 'must be in (0, 1].')
-  _check(a.eps_high > 0.0, 'algo.eps_high', a.eps_high, 'must be > 0.')
-  _check(a.dual_clip_c > 1.0, 'algo.dual_clip_c', a.dual_clip_c, 'must be > 1.')
-  _check(0.0 <= a.gamma <= 1.0, 'algo.gamma', a.gamma, 'must be in [0, 1].')
-  _check(0.0 <= a.lam_critic <= 1.0, 'algo.lam_critic', a.lam_critic, 'must be in [0, 1].')
-  _check(a.lam_policy <= 1.0, 'algo.lam_policy', a.lam_policy,
-         'must be <= 1 (or < 0 for the length-adaptive lambda).')
-  _check(a.adaptive_alpha > 0.0, 'algo.adaptive_alpha', a.adaptive_alpha, 'must be > 0.')
-  _check(a.critic_epochs >= 1, 'algo.critic_epochs', a.critic_epochs, 'must be >= 1.')
-  _check(a.critic_warmup_steps >= 0, 'algo.critic_warmup_steps', a.critic_warmup_steps, 'must be >= 0.')
-  _check(a.group_size >= 1, 'algo.group_size', a.group_size, 'must be >= 1.')
-  if a.name in ('grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo'):
-    _check(a.group_size >= 2, 'algo.group_size', a.group_size,
-           f'algo.name={a.name!r} needs a group of at least 2 rollouts per prompt.')
-  if a.clip_mode == 'double_side':
-    s = config.sampler
-    _check(s.temperature == 1.0 and s.top_p == 1.0 and s.top_k == 0, 'sampler.temperature',
-           (s.temperature, s.top_p, s.top_k),
-           'clip_mode=double_side needs the ratio to the distribution actually sampled from: sample at '
-           'temperature 1, top_p 1, top_k 0 (the sampler records log-probs at temperature 1).')
-
-  o = config.optim
-  _one_of(config, 'optim.optimizer', ('adamw', 'sgd'))
-  _check(o.actor_lr >= 0.0, 'optim.actor_lr', o.actor_lr, 'must be >= 0.')
-  _check(o.critic_lr >= 0.0, 'optim.critic_lr', o.critic_lr, 'must be >= 0.')
-  _one_of(config, 'optim.schedule', ('constant', 'cosine'))
-  _check(o.grad_clip >= 0.0, 'optim.grad_clip', o.grad_clip, 'must be >= 0 (0 = off).')
-
+def _check_model(config: ml_collections.ConfigDict) -> model_config_lib.ModelConfig:
+  """The policy's `ModelConfig` from `config.model` (a named config, or `hf` read from `hf_dir`), checked."""
   m = config.model
-  _one_of(config, 'model.dtype', ('float32', 'bfloat16'))
+  names = (*model_config_lib.MODEL_NAMES, HF_MODEL)
+  if m.name not in names:
+    raise ConfigError(f'config.model.name={m.name!r} is not one of {list(names)}.')
+  if (m.name == HF_MODEL or m.tokenizer == 'hf') and not m.hf_dir:
+    raise ConfigError(f"config.model.hf_dir='' but config.model.name={m.name!r} / config.model.tokenizer="
+                      f'{m.tokenizer!r} read it: set it to an HF model directory.')
+  if m.hf_dir and not os.path.isdir(m.hf_dir):
+    raise ConfigError(f'config.model.hf_dir={m.hf_dir!r}: no such directory.')
+  try:
+    if m.name == HF_MODEL:
+      try:
+        hf = hf_io.read_hf_config(m.hf_dir)
+      except (OSError, ValueError) as e:
+        raise ConfigError(f'config.model.hf_dir={m.hf_dir!r}: {e}') from e
+      model_cfg = model_config_lib.ModelConfig.from_hf_config(hf, dtype=m.dtype, remat=m.remat)
+    else:
+      model_cfg = model_config_lib.get_model_config(m.name, dtype=m.dtype, remat=m.remat)
+  except ValueError as e:  # The only override a named config can refuse is the dtype.
+    raise ConfigError(f'config.model.dtype={m.dtype!r} (config.model.name={m.name!r}): {e}') from e
+  if m.tokenizer == 'char':
+    vocab = CharTokenizer().vocab_size
+    if vocab > model_cfg.vocab_size:
+      raise ConfigError(f"config.model.tokenizer='char' has {vocab} tokens but config.model.name={m.name!r} "
+                        f'only {model_cfg.vocab_size} embeddings.')
+  elif m.tokenizer not in TOKENIZERS and not os.path.isdir(m.tokenizer):
+    raise ConfigError(f'config.model.tokenizer={m.tokenizer!r} is not one of {list(TOKENIZERS)} or a directory.')
+  else:
+    directory = m.hf_dir if m.tokenizer == 'hf' else m.tokenizer
+    if not os.path.isfile(os.path.join(directory, 'tokenizer.json')):
+      field = 'hf_dir' if m.tokenizer == 'hf' else 'tokenizer'
+      raise ConfigError(f'config.model.{field}={directory!r} has no tokenizer.json.')
+  return model_cfg
 
-  s = config.sampler
-  _check(s.temperature > 0.0, 'sampler.temperature', s.temperature, 'must be > 0.')
-  _check(0.0 < s.top_p <= 1.0, 'sampler.top_p', s.top_p, 'must be in (0, 1].')
-  _check(s.top_k >= 0, 'sampler.top_k', s.top_k, 'must be >= 0.')
-  _check(s.max_new_tokens >= 1, 'sampler.max_new_tokens', s.max_new_tokens, 'must be >= 1.')
 
-  for axis in ('data', 'fsdp', 'tensor'):
-    size = config.mesh[axis]
-    _check(size == -1 or size >= 1, f'mesh.{axis}', size, 'must be >= 1 or -1 (the rest).')
-  _check([config.mesh[x] for x in ('data', 'fsdp', 'tensor')].count(-1) <= 1, 'mesh',
-         dict(config.mesh.items()), 'at most one of data/fsdp/tensor may be -1.')
+def _check_mesh(config: ml_collections.ConfigDict, model_cfg: Any, devices: Sequence[jax.Device] | None) -> None:
+  """Builds the mesh on the devices present (or, for a multi-process run checked from one process, its shape over
+  `num_processes * local devices`) and checks the rules and the layout on it."""
+  num = distributed.num_processes(config)
+  if devices is None and num != jax.process_count():
+    shape = dict(zip(parallel.MESH_AXES, parallel.mesh_shape(config.mesh, num * jax.local_device_count())))
+    parallel.rules_dict(config.mesh.rules)
+    parallel.check_layout(config, shape, model_cfg)
+    return
+  mesh = parallel.make_mesh(config.mesh, devices)
+  parallel.rules_dict(config.mesh.rules, mesh)
+  parallel.check_layout(config, mesh, model_cfg)
 
-  tr = config.trainer
-  _one_of(config, 'trainer.mode', ('sync', 'async'))
-  _check(tr.batch_size >= 1, 'trainer.batch_size', tr.batch_size, 'must be >= 1.')
-  _check(tr.batch_size % a.group_size == 0, 'trainer.batch_size', tr.batch_size,
-         f'must be a multiple of algo.group_size={a.group_size} (whole groups per batch).')
-  _check(tr.minibatch_size == 0 or tr.batch_size % tr.minibatch_size == 0, 'trainer.minibatch_size',
-         tr.minibatch_size, f'must divide trainer.batch_size={tr.batch_size} (or be 0).')
-  mb = tr.minibatch_size or tr.batch_size
-  _check(tr.microbatch_size >= 0 and (tr.microbatch_size == 0 or mb % tr.microbatch_size == 0),
-         'trainer.microbatch_size', tr.microbatch_size,
-         f'must divide the minibatch ({mb} rows: trainer.minibatch_size, or trainer.batch_size when 0), or be 0.')
-  _check(tr.max_staleness >= 0, 'trainer.max_staleness', tr.max_staleness, 'must be >= 0.')
-  del m
 
-  registry.validate_task_config(config)  # Task name, limits, kwargs, data files (loads no data).
-  return config
+def validate(config: ml_collections.ConfigDict, *, for_run: bool = False,
+             devices: Sequence[jax.Device] | None = None, log: bool = True) -> ml_collections.ConfigDict:
+  """Resolves the algorithm's preset and runs every check; returns the resolved config (`config` is not changed).
+
+  Args:
+    config: a config from `configs/*.py` (flags applied).
+    for_run: also check what only a training run needs (a `workdir` when it saves checkpoints); `main` sets it.
+    devices: the devices the mesh must cover (default: all devices of all processes).
+    log: log the algorithm's ablations (a warning) and other notes.
+
+  Raises:
+    ConfigError: naming the first field whose value cannot work.
+  """
+  for path in ('algo.name', 'algo.domain'):
+    FIELDS[path](path, _get(config, path))
+  resolved, ablations = algo_lib.resolve(config)
+  _check_fields(resolved)
+  _check_relations(resolved)
+  algo_lib.check_config(resolved)
+  optim_lib.check_config(resolved)
+  checkpoint.check_config(resolved, need_workdir=for_run and resolved.trainer.checkpoint_every > 0)
+  distributed.check_config(resolved)
+  model_cfg = _check_model(resolved)
+  registry.validate_task_config(resolved)
+  _check_mesh(resolved, model_cfg, devices)
+  if log:
+    algo_lib.log_resolution(resolved, ablations, algo_lib.unused_settings(config))
+    s = resolved.sampler
+    if resolved.algo.clip_mode == 'double_side' and (s.temperature, s.top_p, s.top_k) != (1.0, 1.0, 0):
+      logging.info('clip_mode=double_side with sampler temperature=%s top_p=%s top_k=%s: the ratio is taken to '
+                   'the log-probs of the distribution actually sampled from (recorded by the sampler).',
+                   s.temperature, s.top_p, s.top_k)
+  return resolved

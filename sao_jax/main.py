@@ -1,6 +1,8 @@
 """Entry point: `python -m sao_jax.main --config=configs/arith.py [--config.algo.clip_mode=ppo] --workdir=DIR`.
 
-Only parses flags, checks the config and hands it to the trainer.
+Only parses flags, checks the config (`config_lib.validate`: the algorithm's preset filled in, every field, the
+task, the learner, the optimizer, checkpoints and the mesh on the devices present) and hands it to the trainer.
+`--dry_run` prints the resolved, validated config and exits.
 """
 
 import sys
@@ -11,11 +13,13 @@ from absl import logging
 from ml_collections import config_flags
 
 from sao_jax import config_lib
+from sao_jax import parallel
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Config file, e.g. configs/arith.py (optionally `:arg`).', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory (checkpoints, metrics). Overrides config.workdir.')
-_DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Print the resolved, validated config and exit.')
+_DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Check the config (building the mesh on the devices present, opening '
+                             'the data files), print it resolved and exit.')
 
 flags.mark_flags_as_required(['config'])
 
@@ -28,7 +32,9 @@ def main(argv):
     with config.unlocked():
       config.workdir = _WORKDIR.value
   try:
-    config_lib.validate(config)
+    if not _DRY_RUN.value:
+      parallel.initialize(config.distributed)  # Before anything touches a device (validate builds the mesh).
+    config = config_lib.validate(config, for_run=True)
   except config_lib.ConfigError as e:
     sys.exit(f'FATAL bad config: {e}')
   if _DRY_RUN.value:

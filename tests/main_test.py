@@ -1,72 +1,93 @@
-"""The command line: configs parse, print with --dry_run, and bad overrides fail naming the field."""
+"""The command line: `--dry_run` prints the resolved, validated config; bad configs and overrides fail naming the
+field (the checks themselves: tests/config_lib_test.py)."""
 
 import os
 import subprocess
 import sys
+import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from configs import base
-from sao_jax import config_lib
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _main(*args: str) -> subprocess.CompletedProcess:
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
+def _main(*args: str, devices: int = 1) -> subprocess.CompletedProcess:
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
   return subprocess.run([sys.executable, '-m', 'sao_jax.main', *args], cwd=_ROOT, env=env,
                         capture_output=True, text=True, timeout=120, check=False)
 
 
 class MainTest(parameterized.TestCase):
 
+  def setUp(self):
+    super().setUp()
+    self.workdir = f'--workdir={tempfile.mkdtemp()}'
+
   def test_dry_run_prints_resolved_config(self):
-    out = _main('--config=configs/base.py', '--config.algo.clip_mode=ppo', '--dry_run')
+    out = _main('--config=configs/base.py', '--config.algo.name=ppo', self.workdir, '--dry_run')
     self.assertEqual(out.returncode, 0, out.stderr)
-    self.assertIn('clip_mode: ppo', out.stdout)
-    self.assertIn('critic_epochs: 2', out.stdout)
+    for line in ('name: ppo', 'clip_mode: ppo', 'critic_epochs: 1', 'lam_policy: 0.95', 'critic_warmup_steps: 0',
+                 'freeze_critic_attention: false', 'ablations: !!python/tuple []'):
+      self.assertIn(line, out.stdout)
+    self.assertNotIn('null', out.stdout.split('distributed:')[0])  # Every preset field of algo resolved.
+
+  def test_ablation_flag_is_typed_logged_and_printed(self):
+    out = _main('--config=configs/base.py', '--config.algo.clip_mode=ppo', '--config.algo.eps_low=0.25',
+                self.workdir, '--dry_run')
+    self.assertEqual(out.returncode, 0, out.stderr)
+    self.assertIn('eps_low: 0.25', out.stdout)
+    self.assertIn("- 'algo.eps_low: 0.3 -> 0.25'", out.stdout)  # Recorded in the config.
+    self.assertIn('ABLATION', out.stderr)
+    self.assertIn('algo.eps_low: 0.3 -> 0.25', out.stderr)
+    self.assertIn('critic_epochs: 2', out.stdout)  # Still SAO's other settings.
 
   def test_misspelled_override_names_the_field(self):
-    out = _main('--config=configs/base.py', '--config.algo.clip_mod=ppo', '--dry_run')
+    out = _main('--config=configs/base.py', '--config.algo.clip_mod=ppo', self.workdir, '--dry_run')
     self.assertNotEqual(out.returncode, 0)
     self.assertIn('--config.algo.clip_mod', out.stderr)
     self.assertIn('clip_mode', out.stderr)
 
-  def test_invalid_value_names_the_field(self):
-    out = _main('--config=configs/base.py', '--config.algo.eps_low=1.5', '--dry_run')
-    self.assertNotEqual(out.returncode, 0)
-    self.assertIn('config.algo.eps_low=1.5', out.stderr)
-
-
-class ValidateTest(parameterized.TestCase):
-
-  def test_base_config_is_valid(self):
-    config_lib.validate(base.get_config())
-
   @parameterized.parameters(
-      ('algo.clip_mode', 'ppo2', 'algo.clip_mode'),
-      ('algo.agg', 'mean', 'algo.agg'),
-      ('algo.critic_epochs', 0, 'algo.critic_epochs'),
-      ('sampler.temperature', 0.7, 'sampler.temperature'),  # double_side needs temperature-1 log-probs.
-      ('mesh.tensor', 0, 'mesh.tensor'),
-      ('trainer.minibatch_size', 5, 'trainer.minibatch_size'),
-      ('optim.schedule', 'linear', 'optim.schedule'),
+      (('--config.algo.eps_low=1.5',), 'config.algo.eps_low=1.5'),
+      (('--config.algo.name=gspo', '--config.trainer.policy_epochs=0'), 'config.trainer.policy_epochs=0'),
+      (('--config.trainer.keep_checkpoints=0',), 'config.trainer.keep_checkpoints=0'),
   )
-  def test_bad_value_is_named(self, path, value, named):
-    config = base.get_config()
-    section, field = path.split('.')
-    config[section][field] = value
-    with self.assertRaisesRegex(config_lib.ConfigError, f'config.{named}'):
-      config_lib.validate(config)
+  def test_invalid_value_names_the_field(self, flags, named):
+    out = _main('--config=configs/base.py', *flags, self.workdir, '--dry_run')
+    self.assertNotEqual(out.returncode, 0)
+    self.assertIn(named, out.stderr)
 
-  def test_group_algorithms_need_groups(self):
-    config = base.get_config()
-    config.algo.name = 'grpo'
-    with self.assertRaisesRegex(config_lib.ConfigError, 'config.algo.group_size'):
-      config_lib.validate(config)
-    config.algo.group_size = 4
-    config_lib.validate(config)
+  def test_dry_run_builds_the_mesh_on_the_devices_present(self):
+    out = _main('--config=configs/base.py', '--config.mesh.fsdp=3', self.workdir, '--dry_run',
+                devices=8)
+    self.assertNotEqual(out.returncode, 0)
+    self.assertIn('config.mesh.fsdp=3', out.stderr)
+    self.assertIn('covers 3 of the 8 devices', out.stderr)
+    out = _main('--config=configs/base.py', '--config.mesh.fsdp=4', '--config.mesh.data=2', self.workdir,
+                '--dry_run', devices=8)
+    self.assertEqual(out.returncode, 0, out.stderr)
+
+  def test_dry_run_needs_a_workdir_when_the_run_checkpoints(self):
+    out = _main('--config=configs/base.py', '--dry_run')
+    self.assertNotEqual(out.returncode, 0)
+    self.assertIn("config.workdir=''", out.stderr)
+    out = _main('--config=configs/base.py', '--config.trainer.checkpoint_every=0', '--dry_run')
+    self.assertEqual(out.returncode, 0, out.stderr)
+
+  def test_data_file_is_a_flag_and_must_open(self):
+    out = _main('--config=configs/math.py', '--config.task.kwargs.data_file=/no/such.jsonl', self.workdir,
+                '--dry_run')
+    self.assertNotEqual(out.returncode, 0)
+    self.assertIn('config.task.kwargs.data_file=', out.stderr)
+    self.assertIn('no such file', out.stderr)
+    data = os.path.join(tempfile.mkdtemp(), 'p.jsonl')
+    with open(data, 'w') as f:
+      f.write('{"id": "1", "problem": "1+1?", "answer": "2"}\n')
+    out = _main('--config=configs/code.py', f'--config.task.kwargs.eval_file={data}', self.workdir, '--dry_run')
+    self.assertEqual(out.returncode, 0, out.stderr)
+    self.assertIn(f'eval_file: {data}', out.stdout)
 
 
 if __name__ == '__main__':

@@ -121,11 +121,16 @@ def parse_options(options_cls: type, kwargs: Mapping[str, Any] | ml_collections.
 
 
 def check_file(path_field: str, value: str) -> None:
-  """Raises a `ConfigError` naming `path_field` when `value` is not an existing file."""
+  """Raises a `ConfigError` naming `path_field` when `value` is not a file that opens for reading."""
   if not value:
     raise ConfigError(f'config.{path_field} is empty; set it to a data file.')
   if not os.path.isfile(value):
     raise ConfigError(f'config.{path_field}={value!r}: no such file.')
+  try:
+    with open(value, 'rb') as f:
+      f.read(1)
+  except OSError as e:
+    raise ConfigError(f'config.{path_field}={value!r} does not open: {e.strerror or e}.') from e
 
 
 def _task_fields(task_config) -> tuple[str, int, int, Any]:

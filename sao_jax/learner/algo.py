@@ -1,30 +1,200 @@
-"""The static description of an update step, from `config.algo` / `config.trainer`.
+"""Algorithm presets and the static description of an update step, from `config.algo` / `config.trainer`.
 
-Every algorithm is a config: `algo.name` picks the advantage family (a learned critic for `sao` / `ppo`,
-group baselines for `grpo`, `dr_grpo`, `dapo`, `gspo`, `rloo`); the loss is always `policy_loss` with
-`algo.clip_mode` / `algo.agg` and friends. A name whose defining setting contradicts the fields (e.g.
-`gspo` without `clip_mode=gspo`) is refused with the flags to set, so an ablation never silently runs
-a different algorithm than its name says.
+`config.algo.name` selects a PRESET: the settings that define that algorithm (`PRESETS`, the one table).
+In `configs/base.py` those fields default to `None` ("the preset's value"); `resolve(config)` fills them.
+A field set explicitly to a value that differs from the preset is an ABLATION: allowed, listed in
+`config.algo.ablations` (`'path: preset -> set'`, saved with the run's config) and logged loudly at start
+(`log_resolution`). So `--config.algo.name=ppo` runs PPO, never SAO under another name.
+
+| name    | family | clip_mode   | eps_low / eps_high | agg                 | defining settings                        |
+|---------|--------|-------------|--------------------|---------------------|------------------------------------------|
+| sao     | critic | double_side | 0.3 / 5.0 (math)   | token_mean          | adaptive lam_policy (alpha 1.5),         |
+|         |        |             | 0.8 / 3.0 (agentic)|                     | lam_critic 1, K=2 critic epochs, frozen  |
+|         |        |             |                    |                     | critic attention, 10 warmup steps, G=1   |
+| ppo     | critic | ppo         | 0.2 / 0.2          | token_mean          | lam 0.95 (critic and policy), 1 critic   |
+|         |        |             |                    |                     | epoch, advantages from the pre-update    |
+|         |        |             |                    |                     | critic, no frozen attention, no warmup   |
+| grpo    | group  | ppo         | 0.2 / 0.2          | seq_mean_token_mean | G=8, (R - mean) / std                    |
+| dr_grpo | group  | ppo         | 0.2 / 0.2          | seq_mean_token_sum  | G=8, R - mean (no std)                   |
+| dapo    | group  | ppo         | 0.2 / 0.28         | token_mean          | G=8, clip-higher, dynamic sampling       |
+| gspo    | group  | gspo        | 3e-4 / 4e-4        | seq_mean_token_mean | G=8, sequence-level ratio                |
+| rloo    | group  | ppo         | 0.2 / 0.2          | seq_mean_token_mean | G=8, leave-one-out baseline              |
+
+`config.algo.domain` picks the published setting where a preset has one per domain (SAO's band).
+Critic algorithms (`sao`, `ppo`) learn a value model; group algorithms need `group_size >= 2`.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
+
+from absl import logging
 
 from sao_jax.errors import ConfigError
 
 CRITIC_ALGOS = ('sao', 'ppo')
 GROUP_ALGOS = ('grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo')
+DOMAINS = ('math', 'agentic')
+ADVANTAGE_SOURCES = ('updated_critic', 'pre_update')  # Critic values the policy advantages come from.
+TRUNCATIONS = ('bootstrap', 'drop')  # A trajectory cut by a length / turn limit.
+GROUP_BASELINES = ('mean', 'leave_one_out')  # GRPO's group mean, RLOO's leave-one-out mean.
 
-# What each group algorithm's name implies: field -> required value.
-_IMPLIED = {
-    'dr_grpo': {'group_std_normalize': False, 'agg': 'seq_mean_token_sum'},
-    'dapo': {'agg': 'token_mean'},
-    'gspo': {'clip_mode': 'gspo'},
-    'rloo': {'group_baseline': 'leave_one_out'},
-    'grpo': {'group_baseline': 'mean'},
+# The settings that define each algorithm (`config.<path>` -> value). A field absent from a preset is not
+# read by that algorithm (e.g. the critic's settings under GRPO); it takes its `_UNUSED` value.
+PRESETS: dict[str, dict[str, Any]] = {
+    'sao': {
+        'algo.clip_mode': 'double_side', 'algo.eps_low': 0.3, 'algo.eps_high': 5.0, 'algo.agg': 'token_mean',
+        'algo.lam_critic': 1.0, 'algo.lam_policy': -1.0, 'algo.adaptive_alpha': 1.5,
+        'algo.advantages_from': 'updated_critic', 'algo.critic_epochs': 2, 'algo.critic_warmup_steps': 10,
+        'optim.freeze_critic_attention': True, 'algo.group_size': 1,
+    },
+    'ppo': {
+        'algo.clip_mode': 'ppo', 'algo.eps_low': 0.2, 'algo.eps_high': 0.2, 'algo.agg': 'token_mean',
+        'algo.lam_critic': 0.95, 'algo.lam_policy': 0.95, 'algo.advantages_from': 'pre_update',
+        'algo.critic_epochs': 1, 'algo.critic_warmup_steps': 0, 'optim.freeze_critic_attention': False,
+        'algo.group_size': 1,
+    },
+    'grpo': {
+        'algo.clip_mode': 'ppo', 'algo.eps_low': 0.2, 'algo.eps_high': 0.2, 'algo.agg': 'seq_mean_token_mean',
+        'algo.group_size': 8, 'algo.group_std_normalize': True, 'algo.group_baseline': 'mean',
+        'algo.dynamic_sampling': False,
+    },
+    'dr_grpo': {
+        'algo.clip_mode': 'ppo', 'algo.eps_low': 0.2, 'algo.eps_high': 0.2, 'algo.agg': 'seq_mean_token_sum',
+        'algo.group_size': 8, 'algo.group_std_normalize': False, 'algo.group_baseline': 'mean',
+        'algo.dynamic_sampling': False,
+    },
+    'dapo': {
+        'algo.clip_mode': 'ppo', 'algo.eps_low': 0.2, 'algo.eps_high': 0.28, 'algo.agg': 'token_mean',
+        'algo.group_size': 8, 'algo.group_std_normalize': True, 'algo.group_baseline': 'mean',
+        'algo.dynamic_sampling': True,
+    },
+    'gspo': {
+        'algo.clip_mode': 'gspo', 'algo.eps_low': 3e-4, 'algo.eps_high': 4e-4, 'algo.agg': 'seq_mean_token_mean',
+        'algo.group_size': 8, 'algo.group_std_normalize': True, 'algo.group_baseline': 'mean',
+        'algo.dynamic_sampling': False,
+    },
+    'rloo': {
+        'algo.clip_mode': 'ppo', 'algo.eps_low': 0.2, 'algo.eps_high': 0.2, 'algo.agg': 'seq_mean_token_mean',
+        'algo.group_size': 8, 'algo.group_baseline': 'leave_one_out', 'algo.dynamic_sampling': False,
+    },
 }
+# Per-domain changes of a preset (SAO's published bands: math (0.3, 5.0), coding / agentic (0.8, 3.0)).
+_DOMAIN_PRESETS: dict[tuple[str, str], dict[str, Any]] = {
+    ('sao', 'agentic'): {'algo.eps_low': 0.8, 'algo.eps_high': 3.0},
+}
+# The value of a defining field under an algorithm that does not read it.
+_UNUSED: dict[str, Any] = {
+    'algo.lam_critic': 1.0, 'algo.lam_policy': 1.0, 'algo.adaptive_alpha': 1.5,
+    'algo.advantages_from': 'updated_critic', 'algo.critic_epochs': 1, 'algo.critic_warmup_steps': 0,
+    'optim.freeze_critic_attention': False, 'algo.group_std_normalize': True, 'algo.group_baseline': 'mean',
+    'algo.dynamic_sampling': False,
+}
+ALGOS = tuple(PRESETS)
+# Every field some preset sets: `configs/base.py` leaves them `None` (a placeholder of the right type).
+DEFINING_FIELDS = tuple(dict.fromkeys(p for preset in PRESETS.values() for p in preset))
+
+
+def _get(config: Any, path: str) -> Any:
+  node = config
+  for part in path.split('.'):
+    if part not in node:
+      raise ConfigError(f'config.{path} is missing.')
+    node = node[part]
+  return node
+
+
+def _set(config: Any, path: str, value: Any) -> None:
+  *parents, leaf = path.split('.')
+  node = config
+  for part in parents:
+    node = node[part]
+  node[leaf] = value
+
+
+def preset(name: str, domain: str = 'math') -> dict[str, Any]:
+  """`{path: value}` of every defining field under `name` in `domain` (fields `name` does not read: neutral).
+
+  Raises:
+    ConfigError: naming `config.algo.name` / `config.algo.domain` when unknown.
+  """
+  if name not in PRESETS:
+    raise ConfigError(f'config.algo.name={name!r} is not one of {list(ALGOS)}.')
+  if domain not in DOMAINS:
+    raise ConfigError(f'config.algo.domain={domain!r} is not one of {list(DOMAINS)}.')
+  return {**{p: _UNUSED[p] for p in DEFINING_FIELDS if p not in PRESETS[name]}, **PRESETS[name],
+          **_DOMAIN_PRESETS.get((name, domain), {})}
+
+
+def resolve(config: Any) -> tuple[Any, tuple[str, ...]]:
+  """Fills the `None` defining fields from `PRESETS[config.algo.name]`; returns `(resolved copy, ablations)`.
+
+  An explicitly set defining field that differs from the preset is an ablation, `'path: preset -> set'`;
+  the tuple is also stored in the copy's `algo.ablations`. Idempotent: a resolved config resolves to itself.
+  Fields the algorithm does not read keep their explicit value and are not ablations. `config` is not changed.
+  """
+  name = config.algo.name
+  want = preset(name, config.algo.get('domain', 'math'))
+  out = copy.deepcopy(config)
+  ablations = []
+  for path in DEFINING_FIELDS:
+    value = _get(out, path)
+    if value is None:
+      _set(out, path, want[path])
+    elif path in PRESETS[name] and value != want[path]:
+      ablations.append(f'{path}: {want[path]!r} -> {value!r}')
+  if 'ablations' in out.algo:
+    out.algo.ablations = tuple(ablations)
+  return out, tuple(ablations)
+
+
+def unused_settings(config: Any) -> tuple[str, ...]:
+  """Defining fields set explicitly (not `None`) that `config.algo.name` does not read, e.g. critic settings
+  under a group algorithm: `'path=value'` each."""
+  name = config.algo.name
+  return tuple(f'{p}={_get(config, p)!r}' for p in DEFINING_FIELDS
+               if p not in PRESETS.get(name, {}) and _get(config, p) is not None)
+
+
+def log_resolution(config: Any, ablations: tuple[str, ...], unused: tuple[str, ...] = ()) -> None:
+  """Logs the algorithm, each ablation (a warning: the run is not the named algorithm's preset) and any
+  explicitly set field the algorithm does not read."""
+  a = config.algo
+  if ablations:
+    logging.warning('ABLATION: algo.name=%r runs with %d setting(s) changed from its preset (preset -> set):\n  %s',
+                    a.name, len(ablations), '\n  '.join(ablations))
+  else:
+    logging.info('algo.name=%r: its preset (domain %r), no ablation.', a.name, a.get('domain', 'math'))
+  if unused:
+    logging.info('Set but not read by algo.name=%r: %s', a.name, ', '.join(unused))
+
+
+def check_config(config: Any) -> None:
+  """The learner's checks of a RESOLVED config: a step that cannot run is refused, naming the field.
+
+  Algorithm name; group algorithms need groups (`group_size >= 2`); `trainer.policy_epochs >= 1`; the batch
+  is whole groups, the minibatch divides the batch, the microbatch divides the minibatch.
+  """
+  a, tr = config.algo, config.trainer
+  preset(a.name, a.get('domain', 'math'))
+  if a.name in GROUP_ALGOS and a.group_size < 2:
+    raise ConfigError(f'config.algo.group_size={a.group_size}: algo.name={a.name!r} needs a group of at least 2 '
+                      'rollouts per prompt (its advantage compares rollouts of one prompt).')
+  if tr.policy_epochs < 1:
+    raise ConfigError(f'config.trainer.policy_epochs={tr.policy_epochs}: must be >= 1.')
+  if tr.batch_size % a.group_size:
+    raise ConfigError(f'config.trainer.batch_size={tr.batch_size}: must be a multiple of '
+                      f'config.algo.group_size={a.group_size} (whole groups per batch).')
+  if tr.minibatch_size and tr.batch_size % tr.minibatch_size:
+    raise ConfigError(f'config.trainer.minibatch_size={tr.minibatch_size}: must divide '
+                      f'config.trainer.batch_size={tr.batch_size} (or be 0 = the whole batch).')
+  mb = tr.minibatch_size or tr.batch_size
+  micro = tr.get('microbatch_size', 0)
+  if micro and mb % micro:
+    raise ConfigError(f'config.trainer.microbatch_size={micro}: must divide the minibatch ({mb} rows: '
+                      'config.trainer.minibatch_size, or config.trainer.batch_size when 0), or be 0.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,15 +237,10 @@ class StepConfig:
 
   @classmethod
   def from_config(cls, config: Any) -> StepConfig:
+    """The step of `config` with its algorithm's preset filled in (`resolve`), after `check_config`."""
+    config, _ = resolve(config)
+    check_config(config)
     a, tr = config.algo, config.trainer
-    if a.name not in CRITIC_ALGOS + GROUP_ALGOS:
-      raise ConfigError(f'config.algo.name={a.name!r} is not one of {list(CRITIC_ALGOS + GROUP_ALGOS)}.')
-    for field, value in _IMPLIED.get(a.name, {}).items():
-      if a[field] != value:
-        raise ConfigError(f'config.algo.name={a.name!r} needs config.algo.{field}={value!r} '
-                          f'(got {a[field]!r}); set --config.algo.{field}={value}.')
-    if tr.policy_epochs < 1:
-      raise ConfigError(f'config.trainer.policy_epochs={tr.policy_epochs}: must be >= 1.')
     return cls(
         name=a.name, clip_mode=a.clip_mode, eps_low=float(a.eps_low), eps_high=float(a.eps_high),
         dual_clip_c=float(a.dual_clip_c), agg=a.agg, agg_max_len=int(a.agg_max_len), gamma=float(a.gamma),
@@ -90,3 +255,4 @@ class StepConfig:
         entropy_coef=float(a.entropy_coef), minibatch_size=int(tr.minibatch_size),
         microbatch_size=int(tr.get('microbatch_size', 0)),
         policy_epochs=int(tr.policy_epochs))
+

@@ -89,7 +89,7 @@ class Learner:
 
   def __init__(self, config: Any, *, policy: ModelOrFn, critic: ModelOrFn | None = None,
                mesh: Mesh | None = None, model_config: Any = None):
-    self.config = config
+    self.config = config = algo_lib.resolve(config)[0]  # The algorithm's preset filled in (e.g. frozen attention).
     self.step_config = cfg = algo_lib.StepConfig.from_config(config)
     self.mesh = mesh if mesh is not None else parallel.make_mesh(config.mesh)
     if model_config is None and isinstance(policy, nnx.Module):

@@ -25,6 +25,41 @@ ENV_PROCESS_ID = 'SAO_PROCESS_ID'
 _initialized = False
 
 
+def _settings(cfg: Any | None) -> tuple[str, int, int]:
+  """`(coordinator_address, num_processes, process_id)` from `config.distributed`, else the env vars."""
+  address = (cfg.coordinator_address if cfg is not None else '') or os.environ.get(ENV_COORDINATOR, '')
+  num = int(cfg.num_processes if cfg is not None and cfg.num_processes != 1
+            else os.environ.get(ENV_NUM_PROCESSES, 1))
+  pid = int(cfg.process_id if cfg is not None and cfg.process_id != 0
+            else os.environ.get(ENV_PROCESS_ID, 0))
+  return address, num, pid
+
+
+def _check(address: str, num: int, pid: int) -> None:
+  if num < 1:
+    raise ConfigError(f'config.distributed.num_processes={num}: must be >= 1.')
+  if not 0 <= pid < num:
+    raise ConfigError(f'config.distributed.process_id={pid}: must be in [0, num_processes={num}).')
+  if num > 1 and not address:
+    raise ConfigError(f'config.distributed.num_processes={num} needs config.distributed.coordinator_address '
+                      f'(host:port of process 0) or ${ENV_COORDINATOR}.')
+
+
+def check_config(config: Any) -> None:
+  """The multi-host checks of `config.distributed` (with the env-var fallbacks of `initialize`), without
+  starting anything: `num_processes >= 1`, `0 <= process_id < num_processes`, a coordinator when > 1.
+
+  Raises:
+    ConfigError: naming `config.distributed.*`.
+  """
+  _check(*_settings(config.distributed))
+
+
+def num_processes(config: Any) -> int:
+  """Processes the run will have (`config.distributed` or the env var), before `initialize`."""
+  return _settings(config.distributed)[1]
+
+
 def initialize(distributed_config: Any | None = None, *, timeout_s: int = 300) -> bool:
   """Starts `jax.distributed` when more than one process is configured; a no-op otherwise.
 
@@ -41,21 +76,10 @@ def initialize(distributed_config: Any | None = None, *, timeout_s: int = 300) -
   global _initialized
   if _initialized:
     return True
-  cfg = distributed_config
-  address = (cfg.coordinator_address if cfg is not None else '') or os.environ.get(ENV_COORDINATOR, '')
-  num = int(cfg.num_processes if cfg is not None and cfg.num_processes != 1
-            else os.environ.get(ENV_NUM_PROCESSES, 1))
-  pid = int(cfg.process_id if cfg is not None and cfg.process_id != 0
-            else os.environ.get(ENV_PROCESS_ID, 0))
-  if num < 1:
-    raise ConfigError(f'config.distributed.num_processes={num}: must be >= 1.')
-  if not 0 <= pid < num:
-    raise ConfigError(f'config.distributed.process_id={pid}: must be in [0, num_processes={num}).')
+  address, num, pid = _settings(distributed_config)
+  _check(address, num, pid)
   if num == 1:
     return False
-  if not address:
-    raise ConfigError(f'config.distributed.num_processes={num} needs config.distributed.coordinator_address '
-                      f'(host:port of process 0) or ${ENV_COORDINATOR}.')
   logging.info('jax.distributed.initialize(%s, num_processes=%d, process_id=%d)', address, num, pid)
   jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid,
                              initialization_timeout=timeout_s)

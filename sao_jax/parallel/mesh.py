@@ -12,7 +12,7 @@ Batches are split over `('data', 'fsdp')`, so `data * fsdp` must divide the numb
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -54,13 +54,17 @@ def mesh_shape(mesh_config: Any, num_devices: int) -> tuple[int, int, int]:
     sizes[free[0]] = num_devices // fixed
   elif fixed > num_devices:
     raise ConfigError(
-        f'config.mesh={sizes} needs {fixed} devices but only {num_devices} exist '
+        f'{_product(sizes)} = {fixed}: needs {fixed} devices but only {num_devices} exist '
         f'(jax.device_count()); shrink config.mesh.data/fsdp/tensor.')
   elif fixed != num_devices:
     raise ConfigError(
-        f'config.mesh={sizes} covers {fixed} of the {num_devices} devices; the mesh must use all of them '
+        f'{_product(sizes)} = {fixed}: covers {fixed} of the {num_devices} devices; the mesh must use all of them '
         '(set one axis to -1 to take the rest).')
   return sizes['data'], sizes['fsdp'], sizes['tensor']
+
+
+def _product(sizes: dict[str, int]) -> str:
+  return ' * '.join(f'config.mesh.{axis}={size}' for axis, size in sizes.items())
 
 
 def make_mesh(mesh_config: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -83,22 +87,28 @@ def batch_divisor(mesh: Mesh) -> int:
   return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
 
 
-def check_layout(config: Any, mesh: Mesh, model_config: Any | None = None) -> None:
+def check_layout(config: Any, mesh: Mesh | Mapping[str, int], model_config: Any | None = None) -> None:
   """Refuses layouts that cannot work, naming the config fields.
 
   Checks: `trainer.batch_size` (and `trainer.minibatch_size`) divisible by `data * fsdp`;
   attention heads and kv heads divisible by the mesh axis their logical names map to (`tensor` by
   default) when the model config is given.
 
+  Args:
+    config: the full config (`trainer`, `mesh.rules`).
+    mesh: the mesh, or its shape `{axis: size}` (a mesh over devices this process cannot see).
+    model_config: the policy's `ModelConfig` (or None: no head checks).
+
   Raises:
     ConfigError: naming the fields.
   """
-  shards = batch_divisor(mesh)
+  shape = dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
+  shards = math.prod(shape[axis] for axis in BATCH_AXES)
   tr = config.trainer
   if tr.batch_size % shards:
     raise ConfigError(
         f'config.trainer.batch_size={tr.batch_size} is not divisible by config.mesh.data * config.mesh.fsdp '
-        f'= {mesh.shape["data"]} * {mesh.shape["fsdp"]} = {shards} (rows are split over those axes).')
+        f'= {shape["data"]} * {shape["fsdp"]} = {shards} (rows are split over those axes).')
   if tr.minibatch_size and tr.minibatch_size % shards:
     raise ConfigError(
         f'config.trainer.minibatch_size={tr.minibatch_size} is not divisible by config.mesh.data * '
@@ -108,7 +118,7 @@ def check_layout(config: Any, mesh: Mesh, model_config: Any | None = None) -> No
   rules = dict(config.mesh.rules)
   for logical, field in (('heads', 'num_heads'), ('kv_heads', 'num_kv_heads')):
     axes = _as_tuple(rules.get(logical))
-    size = math.prod(mesh.shape[a] for a in axes) if axes else 1
+    size = math.prod(shape[a] for a in axes) if axes else 1
     count = getattr(model_config, field)
     if count % size:
       raise ConfigError(

@@ -25,29 +25,32 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sao_jax.errors import ConfigError
 from sao_jax.parallel.mesh import BATCH_AXES
+from sao_jax.parallel.mesh import MESH_AXES
 
 Rules = Sequence[tuple[str, Any]]
 _warned: set[tuple[str, ...]] = set()
 
 
 def rules_dict(rules: Rules, mesh: Mesh | None = None) -> dict[str, tuple[str, ...]]:
-  """Normalises `config.mesh.rules` to `{logical: (mesh axes...)}`; checks the mesh axes exist.
+  """Normalises `config.mesh.rules` to `{logical: (mesh axes...)}`; checks the mesh axes exist (those of
+  `mesh`, or `MESH_AXES`) and that no logical name has two rules.
 
   Raises:
     ConfigError: naming `config.mesh.rules` for a malformed pair or an unknown mesh axis.
   """
+  names = tuple(mesh.axis_names) if mesh is not None else MESH_AXES
   out = {}
   for pair in rules:
-    if len(pair) != 2 or not isinstance(pair[0], str):
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not isinstance(pair[0], str):
       raise ConfigError(f'config.mesh.rules: {pair!r} is not a (logical_name, mesh_axes) pair.')
     logical, target = pair
     axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
-    if mesh is not None:
-      unknown = [a for a in axes if a not in mesh.axis_names]
-      if unknown:
-        raise ConfigError(
-            f'config.mesh.rules maps {logical!r} to unknown mesh axes {unknown}; mesh axes are '
-            f'{list(mesh.axis_names)}.')
+    unknown = [a for a in axes if a not in names]
+    if unknown:
+      raise ConfigError(
+          f'config.mesh.rules maps {logical!r} to unknown mesh axes {unknown}; mesh axes are {list(names)}.')
+    if logical in out:
+      raise ConfigError(f'config.mesh.rules has two rules for {logical!r}.')
     out[logical] = axes
   return out
 

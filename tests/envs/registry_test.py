@@ -83,6 +83,15 @@ class TaskConfigTest(parameterized.TestCase):
     self.assertLess(longest + config.sampler.max_new_tokens, config.sampler.max_seq_len + 1)  # A turn fits.
     task.close()
 
+  @parameterized.parameters('math', 'code', 'imo')
+  def test_data_files_are_declared_so_flags_can_set_them(self, name):
+    config = importlib.import_module(f'configs.{name}').get_config()
+    config.lock()  # As main locks it: a flag can only set a declared field.
+    for field in ('data_file', 'eval_file'):
+      self.assertIn(field, config.task.kwargs)
+      config.task.kwargs[field] = config.task.kwargs.data_file
+    envs.validate_task_config(config)
+
   def test_episode_limits_from_config(self):
     config = importlib.import_module('configs.calculator').get_config()
     self.assertEqual(envs.EpisodeLimits.from_config(config), envs.EpisodeLimits(4, 48, 512))
@@ -98,7 +107,8 @@ class TaskConfigTest(parameterized.TestCase):
       envs.validate_task_config(config)
 
   def test_dry_run_command_line(self):
-    r = subprocess.run([sys.executable, '-m', 'sao_jax.main', '--config=configs/arith.py:3', '--dry_run'],
+    r = subprocess.run([sys.executable, '-m', 'sao_jax.main', '--config=configs/arith.py:3', '--dry_run',
+                        '--config.trainer.checkpoint_every=0'],
                        capture_output=True, text=True, timeout=120, check=False)
     self.assertEqual(r.returncode, 0, r.stderr[-2000:])
     self.assertIn('max_digits: 3', r.stdout)

@@ -18,6 +18,7 @@ from flax import nnx
 
 from sao_jax.errors import ConfigError
 from sao_jax.learner import Learner, NonFiniteUpdateError, StepConfig
+from sao_jax.learner import algo as algo_lib
 from sao_jax.learner import optim as optim_lib
 from sao_jax.learner import state as state_lib
 from sao_jax.models import logprobs as logprobs_lib
@@ -223,12 +224,16 @@ class GroupLayoutTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, 'not one whole group'):
       learner.put_batch(b)
 
-  def test_algorithm_names_need_their_settings(self):
-    c = H.config('gspo')
-    with self.assertRaisesRegex(ConfigError, "config.algo.clip_mode='gspo'"):
+  def test_algorithm_names_select_their_preset(self):
+    c = H.config('gspo')  # Sets clip_mode='ppo': an ablation of gspo, recorded (config_lib_test pins presets).
+    self.assertIn("algo.clip_mode: 'gspo' -> 'ppo'", algo_lib.resolve(c)[1])
+    c.algo.clip_mode = None  # The preset's value.
+    cfg = StepConfig.from_config(c)
+    self.assertEqual(cfg.clip_mode, 'gspo')
+    self.assertFalse(cfg.uses_critic)
+    c.algo.group_size = 1
+    with self.assertRaisesRegex(ConfigError, 'config.algo.group_size=1'):
       StepConfig.from_config(c)
-    c.algo.clip_mode = 'gspo'
-    self.assertFalse(StepConfig.from_config(c).uses_critic)
 
 
 class GroupAdvantagesTest(parameterized.TestCase):

@@ -87,6 +87,14 @@ class MeshTest(parameterized.TestCase):
       parallel.check_layout(c, mesh, M)
     M.num_kv_heads = 2
     parallel.check_layout(c, mesh, M)
+    parallel.check_layout(c, {'data': 2, 'fsdp': 2, 'tensor': 2}, M)  # A shape: a mesh of devices not visible here.
+    with self.assertRaisesRegex(ConfigError, 'num_heads=4 is not divisible by config.mesh.tensor=8'):
+      parallel.check_layout(c, {'data': 1, 'fsdp': 1, 'tensor': 8}, M)
+
+  def test_impossible_mesh_names_each_axis(self):
+    named = r'config\.mesh\.data=1 \* config\.mesh\.fsdp=3 \* config\.mesh\.tensor=1 = 3: covers 3 of the 8'
+    with self.assertRaisesRegex(ConfigError, named):
+      parallel.make_mesh(dict(data=1, fsdp=3, tensor=1))
 
 
 class ShardingTest(parameterized.TestCase):
@@ -111,6 +119,12 @@ class ShardingTest(parameterized.TestCase):
       parallel.logical_to_spec(('experts',), (8,), self.mesh, self.rules)
     with self.assertRaisesRegex(ConfigError, 'unknown mesh axes'):
       parallel.rules_dict((('embed', 'model'),), self.mesh)
+    with self.assertRaisesRegex(ConfigError, r"\['model'\]; mesh axes are \['data', 'fsdp', 'tensor'\]"):
+      parallel.rules_dict((('embed', 'model'),))  # Without a mesh: the config's axes.
+    with self.assertRaisesRegex(ConfigError, "two rules for 'embed'"):
+      parallel.rules_dict((('embed', 'fsdp'), ('embed', None)))
+    with self.assertRaisesRegex(ConfigError, 'is not a .logical_name, mesh_axes. pair'):
+      parallel.rules_dict(('embed',))
 
   def test_param_and_optimizer_shardings_are_derived(self):
     model = _toy()
@@ -153,6 +167,23 @@ class ShardingTest(parameterized.TestCase):
       parallel.initialize(c.distributed)
     c.distributed.process_id = 3
     with self.assertRaisesRegex(ConfigError, 'process_id=3'):
+      parallel.initialize(c.distributed)
+
+  @parameterized.parameters(
+      (dict(num_processes=0), 'num_processes=0'),
+      (dict(num_processes=2, process_id=2, coordinator_address='h:1'), r'process_id=2: must be in \[0, 2\)|'
+       r'process_id=2: must be in \[0, num_processes=2\)'),
+      (dict(process_id=-1), 'process_id=-1'),
+      (dict(num_processes=2), 'coordinator_address'),
+  )
+  def test_distributed_check_is_initializes_check(self, fields, message):
+    """`check_config` (run by config_lib.validate) refuses what `initialize` refuses, starting nothing."""
+    c = base.get_config()
+    for k, v in fields.items():
+      c.distributed[k] = v
+    with self.assertRaisesRegex(ConfigError, message):
+      parallel.distributed.check_config(c)
+    with self.assertRaisesRegex(ConfigError, message):
       parallel.initialize(c.distributed)
 
 
