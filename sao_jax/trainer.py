@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from sao_jax import checkpoint as checkpoint_lib
+from sao_jax import config_lib
 from sao_jax import eval as eval_lib
 from sao_jax import metrics as metrics_lib
 from sao_jax import models
@@ -178,13 +179,17 @@ class _StopFlag:
 
 
 def run(config: Any) -> dict[str, Any]:
-  """Trains as `config` says (validated by `config_lib.validate`); returns the final summary."""
+  """Trains as `config` says and returns the final summary.
+
+  The config is checked and its algorithm preset resolved here (`config_lib.validate(config, for_run=True)`,
+  idempotent); on several processes, `parallel.initialize` must have run first (`sao_jax.main` does it).
+  """
   t_start = time.perf_counter()
+  config = config_lib.validate(config, for_run=True, log=False)
   tr = config.trainer
   if not config.workdir:
     raise ConfigError("config.workdir='': the trainer needs a work directory (--workdir).")
   os.makedirs(config.workdir, exist_ok=True)
-  parallel.initialize(config.distributed)
 
   # ---- Task, tokenizer, mesh, model, learner.
   task = registry.get_task(config.task)
