@@ -24,7 +24,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       per_test_timeout_s=2.0,  # Per test.
       cpu_s=5,  # RLIMIT_CPU per attempt.
       memory_mb=512,  # RLIMIT_AS per attempt.
-      isolation='auto',  # bwrap where installed; weaker fallbacks log a warning.
+      isolation='bwrap',  # Required; unshare or rlimits only by name (weaker, warned at start).
   )
   c.task.kwargs = ml_collections.ConfigDict(kwargs)  # Each kwarg settable: --config.task.kwargs.data_file=F.
   c.sampler.max_new_tokens = 256  # Per attempt.

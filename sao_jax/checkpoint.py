@@ -17,19 +17,36 @@ Saving is asynchronous by default: `save` returns once the arrays have been copi
 caller may then donate or overwrite them) and the files are written in the background; `wait()` blocks until
 the write is committed and `close()` (or leaving a `with` block) waits then releases the manager. A
 checkpoint directory appears atomically (orbax writes a temporary directory and renames it on commit), so an
-interrupted save never shadows the previous checkpoint.
+interrupted save never shadows the previous checkpoint; the temporary directories such saves leave behind
+are removed when a `Checkpointer` opens the directory.
+
+Integrity: every checkpoint also holds a `manifest` (JSON) with the names of the items saved and a fingerprint
+of every array: `fingerprint(x) = (sum_i fmix(u_i ^ fmix(i + c1)), sum_i fmix(u_i ^ fmix(i + c2))) mod 2^32`
+over the elements' bit patterns u_i (flattened index i, murmur3's bijective finaliser fmix), computed on the
+device under jit over the GLOBAL array, so it does not depend on the sharding nor on which process holds
+which shard (every process computes the same replicated value; a changed element always changes each sum).
+JSON items carry a SHA-256 of their canonical text. `restore` checks that every item of the manifest is on
+disk and that what it read matches the manifest; the newest step that fails (unreadable, missing item or
+manifest, a fingerprint that differs) is reported with a loud error naming the step, the item, the array and
+what was wrong, and `restore()` falls back to the newest intact step (an explicit `step` raises instead).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import re
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 import orbax.checkpoint as ocp
 
@@ -38,6 +55,12 @@ from sao_jax.models.config import ModelConfig
 
 ARRAY_ITEMS = ('policy', 'critic', 'optimizer')
 JSON_ITEMS = ('data', 'metadata')
+MANIFEST = 'manifest'  # Internal JSON item: the items saved and their fingerprints (module docstring).
+_TMP_DIR = re.compile(r'.*\.orbax-checkpoint-tmp.*')
+
+
+class CheckpointCorrupt(RuntimeError):
+  """A checkpoint step cannot be restored as saved (unreadable, incomplete, or not what was written)."""
 
 
 @dataclasses.dataclass
@@ -118,6 +141,94 @@ def _single_device_target(tree: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Fingerprints.
+
+
+def _fmix(h: jax.Array) -> jax.Array:
+  """murmur3's 32-bit finaliser (a bijection of uint32)."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _bits(x: jax.Array) -> jax.Array:
+  """The elements' bit patterns as a flat uint32 vector (8-byte types give two words per element)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if jnp.iscomplexobj(x):
+    x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+  u = jax.lax.bitcast_convert_type(x, unsigned)  # 8-byte types: a trailing axis of two uint32 words.
+  return u.astype(jnp.uint32).reshape(-1)
+
+
+@jax.jit
+def _fingerprint_tree(tree: Any) -> Any:
+  def one(x):
+    u = _bits(x)
+    i = jnp.arange(u.size, dtype=jnp.uint32)
+    return jnp.stack([jnp.sum(_fmix(u ^ _fmix(i + jnp.uint32(c))), dtype=jnp.uint32)
+                      for c in (0x9E3779B9, 0x7F4A7C15)])
+  return jax.tree.map(one, tree)
+
+
+def _path(keys: tuple[Any, ...]) -> str:
+  parts = []
+  for k in keys:
+    for attr in ('key', 'idx', 'name'):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return '/'.join(parts)
+
+
+def fingerprints(tree: Any) -> dict[str, list[Any]]:
+  """{path: [h1, h2, shape, dtype]} of every array leaf of `tree` (module docstring).
+
+  Collective under multi-process: every process must call it on the same global arrays (as `save` and
+  `restore` do); each gets the same values.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  arrays = [x if isinstance(x, jax.Array) else np.asarray(x) for _, x in leaves]
+  sums = jax.device_get(_fingerprint_tree(arrays))
+  return {_path(p): [int(h[0]), int(h[1]), list(np.shape(x)), str(np.dtype(x.dtype))]
+          for (p, _), x, h in zip(leaves, arrays, sums)}
+
+
+def _all_processes(ok: bool) -> bool:
+  """Whether `ok` holds on every process (a collective under multi-process)."""
+  if jax.process_count() == 1:
+    return ok
+  return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
+
+
+def _json_digest(value: Any) -> str:
+  return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _compare(item: str, got: dict[str, list[Any]], want: dict[str, list[Any]]) -> str | None:
+  """What differs between restored and saved fingerprints of one item (None when they agree)."""
+  if set(got) != set(want):  # A raw restore may name containers differently: compare the multisets.
+    key = lambda fp: (fp[0], fp[1], tuple(fp[2]))  # pylint: disable=unnecessary-lambda-assignment
+    if sorted(map(key, got.values())) != sorted(map(key, want.values())):
+      return f'{item}: its arrays differ from the manifest ({len(got)} read, {len(want)} saved)'
+    return None
+  for path, (h1, h2, shape, dtype) in want.items():
+    g1, g2, gshape, gdtype = got[path]
+    if list(gshape) != list(shape):
+      return f'{item}/{path}: shape {gshape}, saved {shape}'
+    if gdtype == dtype and (g1, g2) != (h1, h2):  # (A restore cast to another dtype cannot be compared.)
+      return f'{item}/{path}: the data read differs from the data saved (fingerprint mismatch)'
+  return None
+
+
+# ------------------------------------------------------------------------------------------------------------
 # The manager.
 
 
@@ -157,6 +268,8 @@ class Checkpointer:
     if keep is not None and keep < 1:
       raise ValueError(f'Checkpointer keep={keep}: must be >= 1 (or None to keep every checkpoint).')
     self.directory = os.path.abspath(os.fspath(directory))
+    self._save_interval = save_interval_steps
+    self._remove_interrupted_saves()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, save_interval_steps=save_interval_steps, create=True,
         enable_async_checkpointing=async_save,
@@ -172,6 +285,16 @@ class Checkpointer:
     if directory is None:
       directory = os.path.join(config.workdir, 'checkpoints')
     return cls(directory, keep=int(config.trainer.keep_checkpoints), **kwargs)
+
+  def _remove_interrupted_saves(self) -> None:
+    """Deletes the temporary directories that interrupted saves left (process 0; before the manager starts)."""
+    if jax.process_index() != 0 or not os.path.isdir(self.directory):
+      return
+    for name in sorted(os.listdir(self.directory)):
+      path = os.path.join(self.directory, name)
+      if _TMP_DIR.fullmatch(name) and os.path.isdir(path):
+        logging.warning('Checkpoint: removing %s, left by an interrupted save.', path)
+        shutil.rmtree(path, ignore_errors=True)
 
   # ---- Queries.
 
@@ -197,28 +320,34 @@ class Checkpointer:
     step = int(state.step)
     if step in self._manager.all_steps():
       raise ValueError(f'A checkpoint for step {step} already exists in {self.directory}.')
+    if not force and step % self._save_interval:
+      return False  # (Checked here too: the manifest's fingerprints are not computed for a skipped step.)
     items = {}
+    manifest: dict[str, Any] = {'version': 1, 'items': [], 'arrays': {}, 'json': {}}
     for name in ARRAY_ITEMS:
       value = getattr(state, name)
       if value is not None:
         items[name] = ocp.args.StandardSave(value)
+        manifest['arrays'][name] = fingerprints(value)
     for name in JSON_ITEMS:
       value = getattr(state, name)
       if value is not None:
         try:
-          json.dumps(value)
+          manifest['json'][name] = _json_digest(value)
         except TypeError as e:
           raise ValueError(f'CheckpointState.{name} must be JSON-serialisable: {e}') from e
         items[name] = ocp.args.JsonSave(value)
+    manifest['items'] = sorted(items)
+    items[MANIFEST] = ocp.args.JsonSave(manifest)
     saved = self._manager.save(step, args=ocp.args.Composite(**items), force=force)
     if saved:
-      logging.info('Checkpoint step %d -> %s (%s).', step, self.directory, ', '.join(items))
+      logging.info('Checkpoint step %d -> %s (%s).', step, self.directory, ', '.join(manifest['items']))
     return bool(saved)
 
   def items_at(self, step: int) -> set[str]:
-    """Names of the items stored at `step`."""
+    """Names of the items stored at `step` (the manifest included)."""
     path = os.path.join(self.directory, str(step))
-    return {name for name in ARRAY_ITEMS + JSON_ITEMS if os.path.isdir(os.path.join(path, name))}
+    return {name for name in ARRAY_ITEMS + JSON_ITEMS + (MANIFEST,) if os.path.isdir(os.path.join(path, name))}
 
   def resolve_step(self, step: int | None) -> int:
     """`step`, or the latest one; a clear error when the checkpoint is missing."""
@@ -233,49 +362,116 @@ class Checkpointer:
 
   def restore(self, step: int | None = None, *, target: CheckpointState | None = None,
               items: tuple[str, ...] | None = None) -> CheckpointState:
-    """Restores the checkpoint at `step` (default: the latest).
+    """Restores and verifies the checkpoint at `step` (default: the newest intact one).
 
     Args:
-      step: the step to restore; None = latest.
+      step: the step to restore; None = the newest step that restores intact (a damaged newer one is reported
+        with `logging.error` and skipped).
       target: abstract (or concrete) trees for the array items, with shardings
         (`abstract_target(tree, shardings)`): restored arrays take the target's structure, dtypes and
         shardings; leaves without a sharding go to the first local device. An array item whose target is
         None is restored with its saved structure onto the first local device (plain dicts/lists; an
         nnx.State or optax state needs a target to come back typed).
-      items: names of the items to restore (default: every stored item). The others come back as None.
+      items: names of the items to restore (default: every item saved). The others come back as None.
 
     Returns:
       The `CheckpointState` (`step` = the restored step).
+
+    Raises:
+      FileNotFoundError: no checkpoint, no checkpoint at `step`, or an item that was never saved.
+      CheckpointCorrupt: the explicit `step` (or, with `step=None`, every step) is damaged; the message says how.
     """
     self._check_open()
-    step = self.resolve_step(step)
-    stored = self.items_at(step)
-    wanted = stored if items is None else set(items)
-    unknown = wanted - set(ARRAY_ITEMS + JSON_ITEMS)
+    unknown = set(items or ()) - set(ARRAY_ITEMS + JSON_ITEMS)
     if unknown:
       raise ValueError(f'Unknown checkpoint items {sorted(unknown)}; known: {ARRAY_ITEMS + JSON_ITEMS}.')
-    missing = wanted - stored
-    if missing:
-      raise FileNotFoundError(f'Checkpoint step {step} in {self.directory} has no item(s) {sorted(missing)} '
-                              f'(it has {sorted(stored)}).')
-    args = {}
-    for name in ARRAY_ITEMS:
-      if name not in wanted:
+    return self._first_intact(step, lambda s: self._restore_verified(s, target, items))
+
+  def _first_intact(self, step: int | None, fn):
+    """`fn(s)` for `step`, or for the newest step where it does not raise `CheckpointCorrupt` (logged loudly)."""
+    steps = [self.resolve_step(step)] if step is not None else sorted(self.all_steps(), reverse=True)
+    if not steps:
+      raise FileNotFoundError(f'No checkpoint in {self.directory}.')
+    problems = []
+    for k, s in enumerate(steps):
+      try:
+        result = fn(s)
+      except CheckpointCorrupt as e:
+        problems.append(f'step {s}: {e}')
+        logging.error('CHECKPOINT STEP %d IN %s IS DAMAGED: %s.%s', s, self.directory, e,
+                      ' Trying the previous step.' if k + 1 < len(steps) else '')
         continue
-      tree = None if target is None else getattr(target, name)
-      if tree is None:
-        tree = _metadata_tree(self._manager.item_metadata(step)[name])
-      # Leaves without a sharding go to the first local device (never the saved topology, which may be
-      # another mesh or another number of processes).
-      args[name] = ocp.args.StandardRestore(_single_device_target(tree))
-    for name in JSON_ITEMS:
-      if name in wanted:
-        args[name] = ocp.args.JsonRestore()
-    restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+      if problems:
+        logging.error('Restored checkpoint step %d instead of the newer damaged one(s): %s', s,
+                      '; '.join(problems))
+      return result
+    raise CheckpointCorrupt(f'No intact checkpoint in {self.directory}: ' + '; '.join(problems))
+
+  def _restore_verified(self, step: int, target: CheckpointState | None,
+                        items: tuple[str, ...] | None) -> CheckpointState:
+    # Reading is local to each process (its own shards): all processes agree on whether it worked before
+    # the fingerprints (a collective), whose replicated values then give every process the same verdict.
+    try:
+      manifest, wanted, restored = self._read(step, target, items)
+      failure = None
+    except CheckpointCorrupt as e:
+      failure = e
+    if not _all_processes(failure is None):
+      raise failure or CheckpointCorrupt('another process could not read its part of it')
     out = CheckpointState(step=step, policy=None)
-    for name in wanted:
-      setattr(out, name, restored[name])
+    for name in sorted(wanted):
+      value = restored[name]
+      if name in ARRAY_ITEMS:
+        want = manifest.get('arrays', {}).get(name)
+        problem = (f'{name}: no fingerprints in the {MANIFEST}' if not isinstance(want, dict)
+                   else _compare(name, fingerprints(value), want))
+      else:
+        want = manifest.get('json', {}).get(name)
+        problem = None if _json_digest(value) == want else f'{name}: differs from what was saved'
+      if problem:
+        raise CheckpointCorrupt(problem)
+      setattr(out, name, value)
     return out
+
+  def _read(self, step: int, target: CheckpointState | None, items: tuple[str, ...] | None
+            ) -> tuple[dict[str, Any], set[str], dict[str, Any]]:
+    """(manifest, items wanted, items as read) of `step`; `CheckpointCorrupt` if it cannot be read."""
+    stored = self.items_at(step)
+    if MANIFEST not in stored:
+      raise CheckpointCorrupt(f'no {MANIFEST} (an interrupted save or a damaged directory; it has '
+                              f'{sorted(stored) or "nothing"})')
+    try:
+      manifest = self._manager.restore(step, args=ocp.args.Composite(
+          **{MANIFEST: ocp.args.JsonRestore()}))[MANIFEST]
+      saved = set(manifest['items'])
+    except Exception as e:  # pylint: disable=broad-except  (orbax / tensorstore / json raise anything)
+      raise CheckpointCorrupt(f'unreadable {MANIFEST}: {type(e).__name__}: {str(e)[:300]}') from e
+    wanted = saved if items is None else set(items)
+    never = wanted - saved
+    if never:
+      raise FileNotFoundError(f'Checkpoint step {step} in {self.directory} has no item(s) {sorted(never)} '
+                              f'(it has {sorted(saved)}).')
+    lost = wanted - stored
+    if lost:
+      raise CheckpointCorrupt(f'item(s) {sorted(lost)} saved but missing on disk')
+    args = {}
+    try:
+      for name in ARRAY_ITEMS:
+        if name not in wanted:
+          continue
+        tree = None if target is None else getattr(target, name)
+        if tree is None:
+          tree = _metadata_tree(self._manager.item_metadata(step)[name])
+        # Leaves without a sharding go to the first local device (never the saved topology, which may be
+        # another mesh or another number of processes).
+        args[name] = ocp.args.StandardRestore(_single_device_target(tree))
+      for name in JSON_ITEMS:
+        if name in wanted:
+          args[name] = ocp.args.JsonRestore()
+      restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+    except Exception as e:  # pylint: disable=broad-except  (truncated / garbled files: tensorstore errors)
+      raise CheckpointCorrupt(f'unreadable: {type(e).__name__}: {str(e)[:300]}') from e
+    return manifest, wanted, restored
 
   # ---- Lifetime.
 
@@ -335,22 +531,28 @@ def load_policy(checkpoint_dir: str, step: int | None = None, *, shardings_fn=No
   if not os.path.isdir(checkpoint_dir):
     raise FileNotFoundError(f'Checkpoint directory {checkpoint_dir!r} does not exist.')
   with Checkpointer(checkpoint_dir, keep=None, async_save=False) as ckpt:
-    step = ckpt.resolve_step(step)
-    meta = ckpt.restore(step, items=('metadata',)).metadata or {}
-    if 'model_config' not in meta:
-      raise ValueError(f'Checkpoint step {step} in {checkpoint_dir} has no metadata.model_config (save it with '
-                       '`metadata=policy_metadata(cfg)`).')
-    cfg = model_config_from_json(meta['model_config'])
-    if config_overrides:
-      cfg = cfg.replace(**config_overrides)
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-    graphdef, abs_state = nnx.split(abstract)
-    target = (_single_device_target(abs_state) if shardings_fn is None
-              else abstract_target(abs_state, shardings_fn(abs_state)))
-    try:
-      restored = ckpt.restore(step, target=CheckpointState(step=step, policy=target), items=('policy',))
-    except (ValueError, KeyError) as e:
-      raise ValueError(f'Checkpoint step {step} in {checkpoint_dir}: the policy item does not fit a Decoder '
-                       f'of its saved model config: {e}') from e
+
+    def load(s: int):
+      meta = ckpt.restore(s, items=('metadata',)).metadata or {}
+      if 'model_config' not in meta:
+        raise ValueError(f'Checkpoint step {s} in {checkpoint_dir} has no metadata.model_config (save it with '
+                         '`metadata=policy_metadata(cfg)`).')
+      cfg = model_config_from_json(meta['model_config'])
+      if config_overrides:
+        cfg = cfg.replace(**config_overrides)
+      abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+      graphdef, abs_state = nnx.split(abstract)
+      target = (_single_device_target(abs_state) if shardings_fn is None
+                else abstract_target(abs_state, shardings_fn(abs_state)))
+      try:
+        restored = ckpt.restore(s, target=CheckpointState(step=s, policy=target), items=('policy',))
+      except CheckpointCorrupt:
+        raise
+      except (ValueError, KeyError) as e:
+        raise ValueError(f'Checkpoint step {s} in {checkpoint_dir}: the policy item does not fit a Decoder '
+                         f'of its saved model config: {e}') from e
+      return s, cfg, nnx.merge(graphdef, restored.policy)
+
+    step, cfg, model = ckpt._first_intact(step, load)  # pylint: disable=protected-access
   logging.info('Loaded policy %s (step %d) from %s.', cfg.name or '(unnamed)', step, checkpoint_dir)
-  return nnx.merge(graphdef, restored.policy), cfg
+  return model, cfg

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from absl import logging
 import numpy as np

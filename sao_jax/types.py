@@ -109,7 +109,8 @@ class Batch:
   Attributes:
     tokens: int32 `[B, T]`.
     action_mask: float32 `[B, T]`, 1 on policy-generated tokens (0 on prompt, observations, padding).
-    behavior_logprobs: float32 `[B, T]`.
+    behavior_logprobs: float32 `[B, T]`, the sampler's log-prob of each action token under the distribution it
+      actually sampled from (`Trajectory.behavior_logprobs`); 0 elsewhere.
     rewards: float32 `[B, T]`, the episode reward on its last action token, 0 elsewhere.
     truncated: bool `[B]`, the episode was cut by a limit (bootstrap from the last value).
     group_ids: int32 `[B]`, rows sharing a prompt (group baselines); -1 when unused.

@@ -3,10 +3,12 @@
 import functools
 import json
 import os
+import shutil
 import sys
 import tempfile
 
 from absl.testing import absltest
+from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -208,6 +210,132 @@ class CheckpointTest(absltest.TestCase):
       ckpt.save(checkpoint.CheckpointState(step=1, policy=nnx.state(_model()), metadata={'other': 1}))
     with self.assertRaisesRegex(ValueError, 'metadata.model_config'):
       checkpoint.load_policy(self.dir)
+
+
+def _largest_file(directory: str) -> str:
+  files = [os.path.join(d, f) for d, _, names in os.walk(directory) for f in names]
+  return max(files, key=os.path.getsize)
+
+
+def _truncate_array_data(step_dir: str) -> None:
+  path = _largest_file(os.path.join(step_dir, 'policy'))
+  with open(path, 'r+b') as f:
+    f.truncate(os.path.getsize(path) // 2)
+
+
+def _flip_64_bytes(step_dir: str) -> None:
+  path = _largest_file(os.path.join(step_dir, 'policy'))
+  with open(path, 'r+b') as f:
+    data = bytearray(f.read())
+    start = len(data) // 2
+    for i in range(start, start + 64):
+      data[i] ^= 0xFF
+    f.seek(0)
+    f.write(data)
+
+
+def _delete_policy(step_dir: str) -> None:
+  shutil.rmtree(os.path.join(step_dir, 'policy'))
+
+
+def _empty_step_dir(step_dir: str) -> None:
+  for name in os.listdir(step_dir):
+    path = os.path.join(step_dir, name)
+    shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+
+
+class CorruptCheckpointTest(parameterized.TestCase):
+  """A damaged newest step is detected, named in a loud log, and restore falls back to the previous step."""
+
+  def setUp(self):
+    super().setUp()
+    self.dir = tempfile.mkdtemp(prefix='ckpt_corrupt_')
+    with checkpoint.Checkpointer(self.dir, async_save=False) as ckpt:
+      for step in (1, 2):
+        ckpt.save(checkpoint.CheckpointState(step=step, policy=nnx.state(_model(step)),
+                                             data={'index': step}, metadata=checkpoint.policy_metadata(_CFG)))
+
+  def _target(self):
+    return checkpoint.CheckpointState(step=0, policy=checkpoint.abstract_target(
+        jax.eval_shape(lambda: nnx.state(_model(0)))))
+
+  def test_intact_checkpoint_restores_the_newest_step(self):
+    with checkpoint.Checkpointer(self.dir) as ckpt:
+      got = ckpt.restore(target=self._target())
+    self.assertEqual(got.step, 2)
+    self.assertTrue(_leaves_equal(got.policy, nnx.state(_model(2))))
+
+  @parameterized.named_parameters(
+      # Each used to: raise a raw TensorStore error / restore silently wrong values (max diff 1e38) /
+      # restore policy=None without an error / restore every item as None.
+      ('truncated_array_data', _truncate_array_data, r'unreadable|fingerprint mismatch'),
+      ('flipped_64_bytes', _flip_64_bytes, r'unreadable|fingerprint mismatch'),
+      ('deleted_policy_dir', _delete_policy, r"item\(s\) \['policy'\] saved but missing on disk"),
+      ('emptied_step_dir', _empty_step_dir, r'no manifest'),
+  )
+  def test_damaged_newest_step_falls_back_loudly(self, corrupt, why):
+    corrupt(os.path.join(self.dir, '2'))
+    with checkpoint.Checkpointer(self.dir) as ckpt:
+      with self.assertLogs(level='ERROR') as logs:
+        got = ckpt.restore(target=self._target())
+      self.assertEqual(got.step, 1)
+      self.assertTrue(_leaves_equal(got.policy, nnx.state(_model(1))))
+      self.assertEqual(got.data, {'index': 1})
+      text = '\n'.join(logs.output)
+      self.assertIn('CHECKPOINT STEP 2 IN', text)
+      self.assertRegex(text, why)
+      with self.assertRaisesRegex(checkpoint.CheckpointCorrupt, why):  # An explicit step is not replaced.
+        ckpt.restore(2, target=self._target())
+    with self.assertLogs(level='ERROR'):
+      model, _ = checkpoint.load_policy(self.dir)  # Eval loading falls back the same way.
+    self.assertTrue(_leaves_equal(nnx.state(model), nnx.state(_model(1))))
+
+  def test_no_intact_step_is_an_error_listing_each(self):
+    _delete_policy(os.path.join(self.dir, '1'))
+    _empty_step_dir(os.path.join(self.dir, '2'))
+    with checkpoint.Checkpointer(self.dir) as ckpt:
+      with self.assertLogs(level='ERROR'):
+        with self.assertRaisesRegex(checkpoint.CheckpointCorrupt, r'No intact checkpoint.*step 2: no manifest.*'
+                                    r'step 1: item\(s\) \[.policy.\] saved but missing'):
+          ckpt.restore(target=self._target())
+
+  def test_a_corrupt_json_item_is_detected(self):
+    path = os.path.join(self.dir, '2', 'data')
+    name = [f for f in os.listdir(path) if not f.startswith('commit')][0]
+    with open(os.path.join(path, name), 'w') as f:
+      json.dump({'index': 7}, f)
+    with checkpoint.Checkpointer(self.dir) as ckpt:
+      with self.assertLogs(level='ERROR') as logs:
+        self.assertEqual(ckpt.restore(items=('data',)).data, {'index': 1})
+    self.assertIn('data: differs from what was saved', '\n'.join(logs.output))
+
+  def test_fingerprints_change_with_any_element_and_not_with_sharding(self):
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    base_fp = checkpoint.fingerprints({'x': x})['x']
+    for i in range(0, 64, 7):
+      y = x.copy()
+      y.flat[i] = np.nextafter(y.flat[i], np.float32(1e9))  # The smallest change of one element.
+      self.assertNotEqual(checkpoint.fingerprints({'x': y})['x'][:2], base_fp[:2], i)
+    self.assertNotEqual(checkpoint.fingerprints({'x': x.T.copy()})['x'][:2], base_fp[:2])  # Order matters.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('a', 'b'))
+    sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('a', 'b')))
+    self.assertEqual(checkpoint.fingerprints({'x': sharded})['x'], base_fp)
+    for dtype in (jnp.bfloat16, jnp.int8, jnp.bool_, jnp.uint32):
+      fp = checkpoint.fingerprints({'x': jnp.asarray(x).astype(dtype)})['x']
+      self.assertEqual(fp[2:], [[8, 8], str(np.dtype(dtype))])
+
+  def test_temp_dirs_of_interrupted_saves_are_removed(self):
+    tmp = os.path.join(self.dir, '3.orbax-checkpoint-tmp-1234567')
+    os.makedirs(os.path.join(tmp, 'policy'))
+    with open(os.path.join(tmp, 'policy', 'blob'), 'wb') as f:
+      f.write(b'x' * 100)
+    with self.assertLogs(level='WARNING') as logs:
+      ckpt = checkpoint.Checkpointer(self.dir)
+    with ckpt:
+      self.assertFalse(os.path.exists(tmp))
+      self.assertIn('left by an interrupted save', '\n'.join(logs.output))
+      self.assertEqual(ckpt.all_steps(), [1, 2])
+      self.assertEqual(ckpt.restore(items=('data',)).data, {'index': 2})
 
 
 class MultiProcessTest(absltest.TestCase):

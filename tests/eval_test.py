@@ -1,4 +1,5 @@
-"""Tests of sao_jax.eval: the batched multi-turn driver, scoring counts and pass@k, the KV-cache adapter, CLI."""
+"""Tests of sao_jax.eval: scoring counts and pass@k, the KV-cache backend it builds, the CLI (the episode runner
+itself is tested in tests/rollout)."""
 
 import json
 import math
@@ -9,7 +10,6 @@ import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -18,34 +18,18 @@ from configs import arith as arith_config
 from configs import calculator as calculator_config
 from sao_jax import checkpoint
 from sao_jax import eval as eval_lib
+from sao_jax import rollout
 from sao_jax.envs import answers
-from sao_jax.envs import base
-from sao_jax.envs import calculator
 from sao_jax.envs import evaluation
 from sao_jax.envs import registry
 from sao_jax.models import hf_io
+from sao_jax.models import sampler as sampler_lib
 from sao_jax.models.config import get_model_config
 from sao_jax.models.llama import Decoder
 from sao_jax.tokenizers import CharTokenizer
+from tests.rollout import helpers
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _prompt_index(task, tokenizer, examples):
-  """Maps a rendered prompt to its example index (stubs recognise the problem from the context)."""
-  out = {}
-  for i, ex in enumerate(examples):
-    ids, _ = tokenizer.apply_chat_template(ex.messages(), add_generation_prompt=True)
-    out[tuple(ids)] = i
-  return out
-
-
-def _problem_of(context, index):
-  """(example index, prompt length) of the known prompt that `context` starts with."""
-  for n in range(len(context), 0, -1):
-    if tuple(context[:n]) in index:
-      return index[tuple(context[:n])], n
-  raise AssertionError('context starts with no known prompt')
 
 
 class ScriptedGenerate:
@@ -56,7 +40,7 @@ class ScriptedGenerate:
     self.calls = {}
 
   def __call__(self, context, max_new_tokens, stop_ids):
-    i, _ = _problem_of(context, self.index)
+    i, _ = helpers.problem_of(context, self.index)
     c = self.calls.get(i, 0)
     self.calls[i] = c + 1
     text, stop = self.script(i, c)
@@ -93,8 +77,8 @@ class EvalScoringTest(parameterized.TestCase):
         return answers.render(ex.answer, 'tag'), True
       return (answers.render(wrong, 'tag') if j % 2 else f'{ex.answer}'), True
 
-    gen = ScriptedGenerate(tok, _prompt_index(task, tok, examples), script)
-    backend = eval_lib.ContextBackend(gen, tok.stop_ids)
+    gen = ScriptedGenerate(tok, helpers.prompt_index(tok, examples), script)
+    backend = rollout.ContextBackend(gen, tok.stop_ids)
     out = os.path.join(tempfile.mkdtemp(), 'sub', 'results.jsonl')
     summary = eval_lib.evaluate(None, tok, task, config, num_samples=k, greedy=True, backend=backend,
                                 batch_size=3, output=out, progress=False)
@@ -153,9 +137,9 @@ class EvalScoringTest(parameterized.TestCase):
       return env
     task.make_env = flaky_env
     tok = CharTokenizer()
-    gen = ScriptedGenerate(tok, _prompt_index(task, tok, examples),
+    gen = ScriptedGenerate(tok, helpers.prompt_index(tok, examples),
                            lambda i, c: (answers.render(examples[i].answer, 'tag'), True))
-    run = eval_lib.run_eval(eval_lib.ContextBackend(gen, tok.stop_ids), tok, task, config, num_samples=2,
+    run = eval_lib.run_eval(rollout.ContextBackend(gen, tok.stop_ids), tok, task, config, num_samples=2,
                             progress=False)
     self.assertEqual(run.summary['num_errors'], 1)
     self.assertEqual(run.summary['greedy_accuracy'], 1.0)  # Over the 3 problems without errors.
@@ -169,7 +153,7 @@ class EvalScoringTest(parameterized.TestCase):
     config.task.eval_size = 2
     task = registry.get_task(config.task)
     tok = CharTokenizer()
-    backend = eval_lib.ContextBackend(lambda c, n, s: ([tok.eos_id], [0.0]), tok.stop_ids)
+    backend = rollout.ContextBackend(lambda c, n, s: ([tok.eos_id], [0.0]), tok.stop_ids)
     with self.assertRaisesRegex(ValueError, 'Nothing to evaluate'):
       eval_lib.run_eval(backend, tok, task, config, greedy=False, num_samples=0, progress=False)
     with self.assertRaisesRegex(ValueError, 'temperature > 0'):
@@ -185,193 +169,18 @@ class EvalScoringTest(parameterized.TestCase):
       eval_lib.load_model_and_tokenizer(config, checkpoint=None, hf_model=None)
 
 
-def _calc_script(examples, fmt='tag'):
-  """Problem i: 0 -> answers at once; 1 -> tool call then answer; 2 -> tool calls forever (turn limit);
-  3 -> rambles without a stop token; 4 -> tool call then a wrong answer."""
-  def script(i, c):
-    ex = examples[i]
-    tool, final = calculator.demo_actions(ex, fmt)
-    kind = i % 5
-    if kind == 0:
-      return final, True
-    if kind == 1:
-      return (tool if c == 0 else final), True
-    if kind == 2:
-      return tool, True
-    if kind == 3:
-      return '1' * 200, False
-    return (tool if c == 0 else answers.render(str(int(ex.answer) - 3), fmt)), True
-  return script
-
-
-class StatelessCalc:
-  """A context-only generator (no call counter), so the reference driver sees the same answers."""
-
-  def __init__(self, tok, index, script):
-    self.tok, self.index, self.script = tok, index, script
-
-  def __call__(self, context, max_new_tokens, stop_ids):
-    i, n = _problem_of(context, self.index)
-    turn = self.tok.decode(context[n:]).count('<result>')  # Observations so far.
-    text, stop = self.script(i, turn)
-    ids = self.tok.encode(text)
-    if stop and ids[-1] not in stop_ids:  # Inline mode stops on '</calc>' itself, else on end-of-turn.
-      ids = ids + [self.tok.eos_id]
-    ids = ids[:max_new_tokens]
-    return ids, [-0.25 - 0.01 * j for j in range(len(ids))]
-
-
-class BatchedDriverTest(parameterized.TestCase):
-  """`run_episodes` (all rows together, turn by turn) == `base.run_episode` (one at a time)."""
-
-  @parameterized.parameters('inline', 'message')
-  def test_matches_reference_driver_on_calculator(self, mode):
-    config = calculator_config.get_config('3')
-    config.task.eval_size = 10
-    config.task.kwargs.observation_mode = mode
-    task = registry.get_task(config.task)
-    tok = CharTokenizer()
-    examples = task.eval_set()
-    gen = StatelessCalc(tok, _prompt_index(task, tok, examples), _calc_script(examples))
-    limits = base.EpisodeLimits.from_config(config)
-    envs = [task.make_env(ex) for ex in examples]
-    stop_ids = base.stop_ids_for(envs[0], tok)
-    got = eval_lib.run_episodes(eval_lib.ContextBackend(gen, stop_ids), tok, envs, limits=limits,
-                                decoding=eval_lib.Decoding(0.0), seeds=list(range(len(envs))))
-    want = [base.run_episode(task.make_env(ex), tok, gen, limits=limits) for ex in examples]
-    turns = []
-    for g, w in zip(got, want):
-      np.testing.assert_array_equal(g.tokens, w.tokens)
-      np.testing.assert_array_equal(g.action_mask, w.action_mask)
-      np.testing.assert_array_equal(g.behavior_logprobs, w.behavior_logprobs)
-      self.assertEqual((g.reward, g.truncated), (w.reward, w.truncated))
-      self.assertEqual(g.info, w.info)
-      turns.append(g.info['num_turns'])
-    # The script really produced 1-, 2- and 3-turn episodes, right and wrong, cut and complete.
-    self.assertEqual(turns[:5], [1, 2, 3, 1, 2])
-    self.assertEqual([t.reward for t in got[:5]], [1.0, 1.0, 0.0, 0.0, 0.0])
-    self.assertEqual([t.truncated for t in got[:5]], [False, False, True, True, False])
-    self.assertEqual(got[2].info['cut_by'], 'max_turns')
-    self.assertEqual(got[3].info['cut_by'], 'max_new_tokens')
-
-
-  def test_backend_must_stop_on_the_env_stop_texts(self):
-    config = calculator_config.get_config()
-    config.task.eval_size = 2
-    task = registry.get_task(config.task)
-    tok = CharTokenizer()
-    backend = eval_lib.ContextBackend(lambda c, n, s: ([tok.eos_id], [0.0]), tok.stop_ids)  # No '</calc>'.
-    envs = [task.make_env(ex) for ex in task.eval_set()]
-    with self.assertRaisesRegex(ValueError, r'does not stop on token\(s\) \[%d\]' % tok.token_to_id('</calc>')):
-      eval_lib.run_episodes(backend, tok, envs, limits=base.EpisodeLimits.from_config(config),
-                            decoding=eval_lib.Decoding(0.0), seeds=[0, 1])
-
-
-def _small_model(vocab_size: int, seed: int) -> Decoder:
-  cfg = get_model_config('tiny', vocab_size=vocab_size, num_layers=1, embed_dim=32, mlp_dim=64, head_dim=8,
-                         eos_ids=(1,))
-  return Decoder(cfg, rngs=nnx.Rngs(seed))
-
-
-class PlainGreedy:
-  """Reference generator: greedy decoding with the Decoder's plain (no cache) forward pass."""
-
-  def __init__(self, model: Decoder, length: int):
-    self.length = length
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def step(state, tokens, n):
-      logits = nnx.merge(graphdef, state)(tokens)[0, n - 1]
-      return jnp.argmax(logits), jax.nn.log_softmax(logits)
-
-    self._step = lambda tokens, n: step(state, tokens, n)
-
-  def __call__(self, context, max_new_tokens, stop_ids):
-    ids, lps = [], []
-    buf = np.zeros((1, self.length), np.int32)
-    ctx = list(context)
-    for _ in range(max_new_tokens):
-      buf[0, :len(ctx)] = ctx
-      tok, logp = self._step(jnp.asarray(buf), len(ctx))
-      tok = int(tok)
-      ids.append(tok)
-      lps.append(float(logp[tok]))
-      ctx.append(tok)
-      if tok in stop_ids:
-        break
-    return ids, lps
-
-
-class ToolEchoEnv(base.BaseEnv):
-  """Every turn ending on a stop text gets an observation; the episode runs to the turn limit."""
-
-  def __init__(self, example, mode: str, stop_texts, max_turns: int):
-    super().__init__(example, max_turns=max_turns)
-    self.observation_mode = mode
-    self.stop_texts = tuple(stop_texts)
-
-  def _step(self, action_text):
-    return base.StepResult(f'<result>{self.turn}</result>', 0.0, False, {})
-
-
-class EchoTask:
-  name = 'echo'
-
-  def __init__(self, examples, mode, stop_texts, max_turns):
-    self._examples, self.mode, self.stop_texts, self.max_turns = examples, mode, stop_texts, max_turns
-
-  def eval_set(self):
-    return list(self._examples)
-
-  def make_env(self, example):
-    return ToolEchoEnv(example, self.mode, self.stop_texts, self.max_turns)
-
-  def close(self):
-    pass
-
-
-class SamplerBackendTest(parameterized.TestCase):
-  """The KV-cache adapter: multi-turn episodes continued from the cache == plain-forward greedy reference."""
-
-  def test_multi_turn_greedy_matches_plain_forward(self):
-    tok = CharTokenizer()
-    model = _small_model(tok.vocab_size, seed=3)
-    # Nearly every character ends a turn, so episodes really go through several continuations.
-    stop_texts = tuple('0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ+-*/=(). ')
-    config = arith_config.get_config()
-    config.sampler.max_new_tokens = 6
-    config.sampler.max_seq_len = 128
-    examples = [base.Example(uid=str(i), prompt=p, answer='0') for i, p in
-                enumerate(['12+7=?', 'What is 3*45?', 'x', '99-100', 'hello there'])]
-    limits = base.EpisodeLimits(max_turns=3, max_new_tokens=6, max_seq_len=128)
-    ref = PlainGreedy(model, 128)
-    backend = eval_lib.make_backend(model, tok, EchoTask(examples, 'inline', stop_texts, 3), config)
-    for mode in ('inline', 'message'):  # One backend: same stop ids, programs compiled once.
-      with self.subTest(mode):
-        task = EchoTask(examples, mode, stop_texts, 3)
-        envs = [task.make_env(ex) for ex in examples]
-        got = eval_lib.run_episodes(backend, tok, envs, limits=limits, decoding=eval_lib.Decoding(0.0),
-                                    seeds=[0] * len(envs))
-        want = [base.run_episode(task.make_env(ex), tok, ref, limits=limits) for ex in examples]
-        for g, w in zip(got, want):
-          np.testing.assert_array_equal(g.tokens, w.tokens)
-          np.testing.assert_array_equal(g.action_mask, w.action_mask)
-          np.testing.assert_allclose(g.behavior_logprobs, w.behavior_logprobs, atol=2e-4)
-          self.assertEqual(g.info, w.info)
-        self.assertGreaterEqual(sum(t.info['num_turns'] >= 2 for t in got), 2, [t.info for t in got])
+class MakeBackendTest(absltest.TestCase):
 
   def test_reused_sampler_must_stop_on_task_tokens(self):
-    from sao_jax.models import sampler as sampler_lib  # pylint: disable=g-import-not-at-top
     tok = CharTokenizer()
-    model = _small_model(tok.vocab_size, seed=0)
+    model = helpers.small_model(tok.vocab_size, seed=0)
     config = calculator_config.get_config()
     config.task.eval_size = 2
     task = registry.get_task(config.task)
     plain = sampler_lib.Sampler(model, stop_ids=tok.stop_ids, pad_id=tok.pad_id)
     with self.assertRaisesRegex(ValueError, 'does not stop on token'):
       eval_lib.make_backend(model, tok, task, config, sampler=plain)
-    big = _small_model(tok.vocab_size - 10, seed=0)
+    big = helpers.small_model(tok.vocab_size - 10, seed=0)
     with self.assertRaisesRegex(ValueError, 'only .* embeddings'):
       eval_lib.make_backend(big, tok, task, config)
 
@@ -385,7 +194,7 @@ class EndToEndTest(absltest.TestCase):
     config.sampler.max_new_tokens = 12
     tok = CharTokenizer()
     task = registry.get_task(config.task)
-    model = _small_model(tok.vocab_size, seed=1)
+    model = helpers.small_model(tok.vocab_size, seed=1)
     backend = eval_lib.make_backend(model, tok, task, config, batch_size=4)
     rows, generate = [], backend.sampler.generate
 
@@ -402,7 +211,7 @@ class EndToEndTest(absltest.TestCase):
     self.assertEqual(rows, [4, 4, 4])
     # Periodic eval: the same backend with another model's weights compiles nothing new.
     compiled = backend.sampler.num_compiled()
-    other = _small_model(tok.vocab_size, seed=7)
+    other = helpers.small_model(tok.vocab_size, seed=7)
     out = os.path.join(tempfile.mkdtemp(), 'again.jsonl')
     eval_lib.evaluate(other, tok, task, config, backend=backend, batch_size=4, progress=False, output=out)
     self.assertEqual(backend.sampler.num_compiled(), compiled)
@@ -441,7 +250,7 @@ class EndToEndTest(absltest.TestCase):
   def test_hf_model_loading(self):
     tmp = tempfile.mkdtemp()
     tok = CharTokenizer()
-    model = _small_model(tok.vocab_size, seed=2)
+    model = helpers.small_model(tok.vocab_size, seed=2)
     hf_io.save_hf(model, model.cfg, tmp)
     config = arith_config.get_config()
     loaded, tokenizer = eval_lib.load_model_and_tokenizer(config, checkpoint=None, hf_model=tmp)

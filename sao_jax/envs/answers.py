@@ -26,12 +26,14 @@ _STRICT = {
     'plain': re.compile(r'(-?\d+)'),
 }
 _MARKERS = {'tag': '<answer>', 'boxed': '\\boxed{', 'hash': '####'}
+# Lenient: candidates first (no nested quantifiers: linear in the text), then the number check on each.
 _LENIENT = {
-    'tag': re.compile(r'<answer>\s*([+-]?[\d,\s]+?)\s*</answer>'),
-    'boxed': re.compile(r'\\boxed\{\s*([+-]?[\d,\s]+?)\s*\}'),
+    'tag': re.compile(r'<answer>([^<]*)</answer>'),
+    'boxed': re.compile(r'\\boxed\{([^{}]*)\}'),
     'hash': re.compile(r'####\s*([+-]?[\d,]+)'),
     'plain': re.compile(r'([+-]?\d[\d,]*)'),
 }
+_LENIENT_NUMBER = re.compile(r'[+-]?[\d,\s]+')
 
 
 def check_format(fmt: str) -> None:
@@ -60,7 +62,8 @@ def parse(text: str, fmt: str, *, strict: bool = True) -> str | None:
       return None
     m = _STRICT[fmt].fullmatch(text)
     return None if m is None else str(int(m.group(1)))
-  matches = _LENIENT[fmt].findall(text)
+  matches = [m.strip() for m in _LENIENT[fmt].findall(text)]
+  matches = [m for m in matches if _LENIENT_NUMBER.fullmatch(m)]
   if not matches:
     return None
   digits = re.sub(r'[\s,+]', '', matches[-1])

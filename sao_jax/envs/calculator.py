@@ -5,8 +5,9 @@ easy with the tool. Each model turn either
   * calls the tool, `... <calc>347*589</calc>`: the env evaluates the expression safely (`safe_eval`, no
     `eval`) and answers `<result>204383</result>` (or `<result>error: ...</result>`); the episode goes on;
   * or answers, `<answer>204395</answer>`: scored like arith (exact match, optional format reward); done.
-A turn with neither ends the episode with reward 0. Reaching `config.task.max_turns` with a pending tool call
-cuts the episode (truncated, reward 0).
+A turn with neither ends the episode with reward 0, and so does a turn longer than `max_action_chars` (checked
+before any parsing, so a step's time is bounded; the tool call is found by two `rfind`s, linear in the text).
+Reaching `config.task.max_turns` with a pending tool call cuts the episode (truncated, reward 0).
 
 Observations are 'inline' by default (the model stops at `</calc>`, the result is appended inside the
 assistant's stream, one assistant turn in all) or 'message' (a new chat message of `observation_role`).
@@ -15,7 +16,7 @@ assistant's stream, one assistant turn in all) or 'message' (a new chat message 
 from __future__ import annotations
 
 import dataclasses
-import re
+
 import numpy as np
 
 from sao_jax.errors import ConfigError
@@ -25,7 +26,7 @@ from sao_jax.envs import base
 from sao_jax.envs import registry
 from sao_jax.envs import safe_eval
 
-_CALL = re.compile(r'<calc>(.*?)</calc>', re.S)
+_OPEN, _CLOSE = '<calc>', '</calc>'
 _TOOL_PROMPT = ('You have a calculator: write <calc>expression</calc> (numbers, + - * / // % ** and '
                 'parentheses) and you will get <result>value</result>.')
 
@@ -43,6 +44,7 @@ class CalculatorOptions(arith.ArithOptions):
   max_expression_chars: int = 200  # Longest expression the tool accepts.
   max_abs: float = 1e40  # Bound on |value| of any intermediate result of the tool.
   max_exponent: int = 64  # Bound on exponents the tool accepts.
+  max_action_chars: int = 16384  # Longer model turns end the episode with reward 0, unparsed.
 
   def check(self, path: str = 'task.kwargs') -> None:
     super().check(path)
@@ -51,6 +53,15 @@ class CalculatorOptions(arith.ArithOptions):
     if self.answer_format == 'plain':
       raise ConfigError(f'config.{path}.answer_format=plain cannot be told apart from a tool call; use '
                         'tag, boxed or hash.')
+    if self.max_action_chars < 1:
+      raise ConfigError(f'config.{path}.max_action_chars={self.max_action_chars!r}: must be >= 1.')
+
+
+def tool_call(text: str) -> str | None:
+  """The expression of the last complete `<calc>...</calc>` in `text` (None if there is none). Linear time."""
+  end = text.rfind(_CLOSE)
+  start = -1 if end < 0 else text.rfind(_OPEN, 0, end)
+  return None if start < 0 else text[start + len(_OPEN):end]
 
 
 def tool_result(expr: str, opts: CalculatorOptions) -> str:
@@ -78,14 +89,17 @@ class CalculatorEnv(base.BaseEnv):
     self.tool_calls = 0
 
   def _step(self, action_text: str) -> base.StepResult:
+    if len(action_text) > self.opts.max_action_chars:
+      return base.StepResult(None, 0.0, True, {'tool_calls': self.tool_calls, 'correct': False,
+                                               'overlong': len(action_text)})
     has_answer = answers.parse(action_text, self.opts.answer_format, strict=False) is not None
-    calls = _CALL.findall(action_text)
-    if has_answer or not calls:
+    call = tool_call(action_text)
+    if has_answer or call is None:
       reward, info = arith.score(action_text, self.example.answer, self.opts)
       info['tool_calls'] = self.tool_calls
       return base.StepResult(None, reward, True, info)
     self.tool_calls += 1
-    return base.StepResult(tool_result(calls[-1], self.opts), 0.0, False, {'tool_calls': self.tool_calls})
+    return base.StepResult(tool_result(call, self.opts), 0.0, False, {'tool_calls': self.tool_calls})
 
 
 class CalculatorTask(arith.GeneratedTask):

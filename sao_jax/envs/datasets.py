@@ -1,15 +1,19 @@
 """Problem files (JSONL, JSON, CSV, Parquet) -> `Example`s, with malformed rows skipped and counted.
 
 Rows are dicts. A task turns each row into an `Example` with a `convert(row_number, row)` function that
-raises `BadRow(reason)` for a malformed row; such rows are skipped and reported in one warning (count and
-row numbers). A file with no valid row, a missing file or an unknown extension fail with a `ConfigError`
-naming the config field that points at the file.
+raises `BadRow(reason)` for a malformed row. Malformed rows are skipped and reported in one warning with their
+row numbers and reasons: a JSONL/CSV line that is not valid UTF-8 or not valid JSON, nesting too deep for the
+parser (`RecursionError`), a missing or empty field, a second row with the id or the (normalised) prompt of an
+earlier one. A file that cannot be read at all (a corrupt Parquet, a JSON file with invalid UTF-8), a file
+with no valid row, a missing file or an unknown extension fail with a `ConfigError` naming the config field
+and the file.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,10 +32,49 @@ class BadRow(ValueError):
   """A malformed row; the message says why."""
 
 
-def read_rows(path: str, field: str) -> list[tuple[int, Any]]:
-  """(row_number, row) pairs; row numbers are 1-based (the line number for JSONL).
+def _jsonl_row(n: int, raw: bytes) -> Any:
+  """One JSONL line -> its row, or a `BadRow` saying why not."""
+  try:
+    line = raw.decode('utf-8')
+  except UnicodeDecodeError as e:
+    return BadRow(f'invalid UTF-8 at byte {e.start} of the line')
+  try:
+    return json.loads(line)
+  except json.JSONDecodeError as e:
+    return BadRow(f'invalid JSON ({e.msg})')
+  except RecursionError:
+    return BadRow('nested too deeply to parse')
+  except ValueError as e:  # E.g. an integer beyond the int-to-str digit limit.
+    return BadRow(f'invalid JSON ({e})'[:200])
 
-  A JSONL line that is not valid JSON comes back as a `BadRow` instance in place of the row.
+
+def _csv_rows(path: str) -> list[tuple[int, Any]]:
+  """CSV rows; a row with bytes that are not UTF-8 comes back as a `BadRow`."""
+  rows = []
+  with open(path, encoding='utf-8', errors='surrogateescape', newline='') as f:
+    for n, row in enumerate(csv.DictReader(f), 1):
+      bad = [k for k, v in row.items() for x in (k, v) if isinstance(x, str) and _has_surrogates(x)]
+      rows.append((n, BadRow(f'invalid UTF-8 in column {bad[0]!r:.40}') if bad else row))
+  return rows
+
+
+def _has_surrogates(text: str) -> bool:
+  try:
+    text.encode('utf-8')
+    return False
+  except UnicodeEncodeError:
+    return True
+
+
+def read_rows(path: str, field: str) -> list[tuple[int, Any]]:
+  """(row_number, row) pairs; row numbers are 1-based (the line number for JSONL, the data row for CSV).
+
+  A row that cannot be decoded (JSONL: invalid UTF-8 or JSON, nesting too deep; CSV: invalid UTF-8) comes back
+  as a `BadRow` instance in place of the row.
+
+  Raises:
+    ConfigError: naming `config.<field>` and the file, when it is missing, of an unknown type, or unreadable as
+      a whole (a corrupt Parquet file, a JSON file that does not parse).
   """
   if not path:
     raise ConfigError(f'config.{field} is empty; set it to a data file.')
@@ -40,16 +83,9 @@ def read_rows(path: str, field: str) -> list[tuple[int, Any]]:
   ext = path.lower().rsplit('.', 1)[-1]
   try:
     if ext == 'jsonl':
-      rows = []
-      with open(path, encoding='utf-8') as f:
-        for n, line in enumerate(f, 1):
-          if not line.strip():
-            continue
-          try:
-            rows.append((n, json.loads(line)))
-          except json.JSONDecodeError as e:
-            rows.append((n, BadRow(f'invalid JSON ({e.msg})')))
-      return rows
+      with open(path, 'rb') as f:
+        return [(n, _jsonl_row(n, line.removeprefix(b'\xef\xbb\xbf') if n == 1 else line))
+                for n, line in enumerate(f, 1) if line.strip()]
     if ext == 'json':
       with open(path, encoding='utf-8') as f:
         data = json.load(f)
@@ -60,27 +96,52 @@ def read_rows(path: str, field: str) -> list[tuple[int, Any]]:
                           '(or {"data": [...]}).')
       return list(enumerate(data, 1))
     if ext == 'csv':
-      with open(path, encoding='utf-8', newline='') as f:
-        return list(enumerate(csv.DictReader(f), 1))
+      return _csv_rows(path)
     if ext == 'parquet':
-      import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
-      return list(enumerate(pq.read_table(path).to_pylist(), 1))
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ConfigError(f'config.{field}={path!r}: cannot be read: {e}') from e
+      return _parquet_rows(path)
+  except RecursionError as e:
+    raise ConfigError(f'config.{field}={path!r}: cannot be read: nested too deeply to parse.') from e
+  except (OSError, ValueError, csv.Error) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors.
+    raise ConfigError(f'config.{field}={path!r}: cannot be read: {type(e).__name__}: {str(e)[:300]}') from e
   raise ConfigError(f'config.{field}={path!r}: unknown file type .{ext} (jsonl, json, csv or parquet).')
+
+
+def _parquet_rows(path: str) -> list[tuple[int, Any]]:
+  import pyarrow  # pylint: disable=g-import-not-at-top  (optional: only Parquet files need it)
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  try:
+    return list(enumerate(pq.read_table(path).to_pylist(), 1))
+  except pyarrow.ArrowException as e:  # ArrowInvalid (not a Parquet file), ArrowIOError, ...
+    raise ValueError(f'not a readable Parquet file ({type(e).__name__}: {e})') from e
 
 
 def build_examples(rows: Sequence[tuple[int, Any]], convert: Callable[[int, dict[str, Any]], base.Example], *,
                    path: str, field: str) -> list[base.Example]:
-  """Converts rows, skipping malformed ones with one warning; raises if no row is valid."""
+  """Converts rows, skipping malformed and duplicate ones with one warning; raises if no row is valid.
+
+  A row whose uid or normalised prompt repeats an earlier valid row's is skipped as a duplicate (uids key the
+  eval results; a repeated prompt would be counted twice, or with two answers, contradict itself).
+  """
   out, bad = [], []
+  first_uid: dict[str, int] = {}
+  first_prompt: dict[str, int] = {}
   for n, row in rows:
     try:
       if isinstance(row, BadRow):
         raise row
       if not isinstance(row, dict):
         raise BadRow(f'not an object but {type(row).__name__}')
-      out.append(convert(n, row))
+      try:
+        ex = convert(n, row)
+      except RecursionError:
+        raise BadRow('nested too deeply') from None
+      if ex.uid in first_uid:
+        raise BadRow(f'duplicate id {ex.uid!r:.60} (first at row {first_uid[ex.uid]})')
+      prompt = _norm(ex.prompt)
+      if prompt in first_prompt:
+        raise BadRow(f'duplicate prompt (first at row {first_prompt[prompt]})')
+      first_uid[ex.uid], first_prompt[prompt] = n, n
+      out.append(ex)
     except BadRow as e:
       bad.append((n, str(e)))
   if bad:
@@ -99,6 +160,8 @@ def text_field(row: dict[str, Any], name: str, *, allow_numbers: bool = False) -
     raise BadRow(f'missing field {name!r}')
   value = row[name]
   if allow_numbers and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, float) and not math.isfinite(value):
+      raise BadRow(f'field {name!r} is {value}')
     value = str(value)
   if not isinstance(value, str) or not value.strip():
     raise BadRow(f'field {name!r} must be a non-empty string, got {value!r:.60}')

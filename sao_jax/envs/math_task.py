@@ -7,7 +7,9 @@ Field names are configurable; `layout` presets cover the public benchmark format
   * 'beyond_aime': BeyondAIME (`problem`, `answer`, no id);
   * 'custom': the `problem_field` / `answer_field` / `id_field` options.
 Single turn; reward 1 when math-verify finds the response's final answer (its last `\\boxed{}` first)
-equal to the reference (LaTeX or plain), else 0. The check runs in a worker pool with a timeout.
+equal to the reference (LaTeX or plain), else 0. The check runs in a worker pool with a timeout and an
+address-space limit. At load, rows with an unusable reference answer (NaN, inf, or nothing math-verify can
+parse: `check_answers`) are skipped and reported with the malformed and duplicate rows (`datasets`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class MathOptions:
   system_prompt: str = ''  # Optional system message.
   verify_timeout_s: float = 5.0  # Hard limit of one math-verify check (its worker is killed after it).
   verify_workers: int = 2  # math-verify worker processes (shared by all math tasks of the process).
+  verify_memory_mb: int = 1024  # RLIMIT_AS of each math-verify worker.
+  check_answers: bool = True  # Parse every reference answer with math-verify at load (~10-30 ms each).
 
   def check(self, path: str = 'task.kwargs') -> None:
     registry.check_file(f'{path}.data_file', self.data_file)
@@ -59,6 +63,8 @@ class MathOptions:
       raise ConfigError(f'config.{path}.verify_timeout_s={self.verify_timeout_s!r}: must be > 0.')
     if self.verify_workers < 1:
       raise ConfigError(f'config.{path}.verify_workers={self.verify_workers!r}: must be >= 1.')
+    if self.verify_memory_mb < 256:
+      raise ConfigError(f'config.{path}.verify_memory_mb={self.verify_memory_mb!r}: must be >= 256 (sympy).')
 
   def fields(self) -> tuple[str, str, str]:
     if self.layout == 'custom':
@@ -73,6 +79,9 @@ def load_problems(path: str, opts: MathOptions, field: str = 'task.kwargs.data_f
   def convert(n: int, row: dict[str, Any]) -> base.Example:
     problem = datasets.text_field(row, problem_f)
     answer = datasets.text_field(row, answer_f, allow_numbers=True)
+    why = verifier_lib.gold_problem(answer) if opts.check_answers else None
+    if why is not None:
+      raise datasets.BadRow(why)
     uid = row.get(id_f) if id_f else None
     uid = str(uid) if uid not in (None, '') else f'row{n}'
     prompt = f'{problem}\n{opts.instruction}' if opts.instruction else problem
@@ -108,7 +117,8 @@ class MathTask(base.DatasetTask):
   @property
   def checker(self) -> verifier_lib.MathVerifier:
     if self._checker is None:  # Started on first use: building the task for a dry run spawns nothing.
-      self._checker = verifier_lib.shared_verifier(self.opts.verify_workers, self.opts.verify_timeout_s)
+      self._checker = verifier_lib.shared_verifier(self.opts.verify_workers, self.opts.verify_timeout_s,
+                                                   self.opts.verify_memory_mb)
     return self._checker
 
   def make_env(self, example: base.Example) -> MathEnv:

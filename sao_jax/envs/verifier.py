@@ -1,9 +1,12 @@
 """Math answer checking with `math-verify`, in a pool of worker processes with a hard timeout.
 
 `math_verify` parses LaTeX and plain answers into sympy and compares them (fractions, radicals, intervals,
-sets, ...). Sympy can take unbounded time on adversarial input (e.g. `9^{9^{9^9}}`), so every check runs in
-a worker process; a check that does not answer within `timeout_s` gets its worker SIGKILLed and replaced,
-and the episode ends with `info['error']` (no reward). Workers are started once and reused.
+sets, ...). Sympy can take unbounded time and memory on adversarial input (e.g. `9^{9^{9^9}}`), so every
+check runs in a worker process with an address-space limit (`memory_mb`); ONE timeout decides: math-verify's
+own signal-based timeouts are off in the workers, and a check that does not answer within the pool's
+`timeout_s` gets its worker SIGKILLed and replaced, the episode ending with `info['error']` (no reward); the
+same input always meets the same fate. Workers' stderr (math-verify logs whole inputs) comes back through the
+parent's log one line at a time, each cut to `MAX_LOG_CHARS`. Workers are started once and reused.
 
 Workers are plain subprocesses (`python -c` running `_worker_loop`), not `multiprocessing`: nothing of the
 parent is re-imported (no main-module fix-up, which fails under absl apps run from stdin or notebooks, and
@@ -15,9 +18,11 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import importlib
+import logging as std_logging
 import os
 import pickle
 import queue
+import resource
 import select
 import struct
 import subprocess
@@ -29,6 +34,7 @@ from typing import Any, BinaryIO
 from absl import logging
 
 _HEADER = struct.Struct('>I')
+MAX_LOG_CHARS = 500  # A worker's stderr line is cut to this in the parent's log.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -114,9 +120,11 @@ class WorkerPool:
   """
 
   def __init__(self, fn: Callable[..., Any], *, num_workers: int = 2, timeout_s: float = 5.0,
-               initializer: Callable[[], None] | None = None, startup_timeout_s: float = 120.0):
+               initializer: Callable[[], None] | None = None, startup_timeout_s: float = 120.0,
+               memory_mb: int | None = None):
     if num_workers < 1:
       raise ValueError(f'num_workers must be >= 1, got {num_workers}.')
+    self._memory_mb = memory_mb
     self._argv = [sys.executable, '-c', 'from sao_jax.envs.verifier import _worker_loop; _worker_loop()',
                   _callable_name(fn), _callable_name(initializer) if initializer is not None else '']
     env = dict(os.environ)
@@ -136,9 +144,16 @@ class WorkerPool:
   def closed(self) -> bool:
     return self._closed
 
+  def _limit(self) -> None:  # In the worker, before exec.
+    if self._memory_mb is not None:
+      limit = self._memory_mb << 20
+      resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
   def _spawn(self) -> _Worker:
-    proc = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self._env,
-                            close_fds=True)
+    proc = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=self._env, close_fds=True, preexec_fn=self._limit)
+    threading.Thread(target=_forward_log, args=(proc.stderr, proc.pid), daemon=True,
+                     name='verifier-log').start()
     w = _Worker(proc)
     with self._lock:
       self._all.append(w)
@@ -147,7 +162,7 @@ class WorkerPool:
   def _retire(self, w: _Worker) -> None:
     w.proc.kill()
     w.proc.wait()
-    for f in (w.proc.stdin, w.proc.stdout):
+    for f in (w.proc.stdin, w.proc.stdout):  # stderr is closed by its forwarding thread.
       try:
         f.close()
       except OSError:
@@ -205,12 +220,44 @@ class WorkerPool:
       self._retire(w)
 
 
+def _forward_log(stream: BinaryIO, pid: int) -> None:
+  """A worker's stderr -> the parent's log, line by line, each cut to `MAX_LOG_CHARS` (the rest is dropped)."""
+  try:
+    while True:
+      line = stream.readline(MAX_LOG_CHARS)
+      if not line:
+        return
+      if not line.endswith(b'\n'):  # An over-long line: skip to its end (bounded reads).
+        while (rest := stream.readline(65536)) and not rest.endswith(b'\n'):
+          pass
+        line += b' [...]'
+      text = line.decode('utf-8', 'replace').rstrip()
+      if text:
+        logging.warning('verifier worker %d: %s', pid, text)
+  except (OSError, ValueError):
+    pass
+  finally:
+    try:
+      stream.close()
+    except OSError:
+      pass
+
+
 # ------------------------------------------------------------------------------------------------------------
 # math-verify.
 
 
+class _NoTimeoutNotice(std_logging.Filter):
+  """Drops math-verify's notice that its own timeout is off (it is, on purpose: see the module docstring)."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return 'Timeout is disabled' not in str(record.msg)
+
+
 def _import_math_verify() -> None:
   import math_verify  # pylint: disable=g-import-not-at-top,unused-import
+  for name in ('math_verify.parser', 'math_verify.grader'):
+    std_logging.getLogger(name).addFilter(_NoTimeoutNotice())
 
 
 def gold_text(answer: str) -> str:
@@ -222,20 +269,50 @@ def gold_text(answer: str) -> str:
 
 
 def verify_answer(gold: str, response: str) -> bool:
-  """True iff `response` (its last boxed / final expression) equals `gold` per math-verify. Runs anywhere."""
+  """True iff `response` (its last boxed / final expression) equals `gold` per math-verify.
+
+  math-verify's own timeouts are off (`parsing_timeout=None`, `timeout_seconds=None`): the caller bounds the
+  time (the pool's timeout kills the worker), so exactly one timeout decides.
+  """
   from math_verify import parse, verify  # pylint: disable=g-import-not-at-top
-  gold_parsed = parse(gold_text(gold))
+  gold_parsed = parse(gold_text(gold), parsing_timeout=None)
   if not gold_parsed:
     raise ValueError(f'cannot parse the reference answer {gold!r}')
-  return bool(verify(gold_parsed, parse(response)))
+  return bool(verify(gold_parsed, parse(response, parsing_timeout=None), timeout_seconds=None))
+
+
+_NOT_A_NUMBER = {'nan', '+nan', '-nan', 'inf', '+inf', '-inf', 'infinity', '-infinity', 'none', 'null'}
+
+
+def gold_problem(gold: str, *, max_chars: int = 1000) -> str | None:
+  """Why `gold` cannot be a reference answer (None when math-verify reads it as an expression).
+
+  In-process (math-verify is imported on first use; about 10-30 ms per answer). Unusable: NaN / inf / null
+  spellings, more than `max_chars` characters, or nothing math-verify can turn into a sympy expression (it then
+  falls back to the raw string, e.g. for `\\frac{`).
+  """
+  text = gold.strip()
+  if text.strip('$ ').lower() in _NOT_A_NUMBER:
+    return f'the answer {text!r} is not a value'
+  if len(text) > max_chars:
+    return f'the answer is longer than {max_chars} characters'
+  _import_math_verify()
+  from math_verify import parse  # pylint: disable=g-import-not-at-top
+  try:
+    parsed = parse(gold_text(text), parsing_timeout=None)
+  except Exception as e:  # pylint: disable=broad-except  (math-verify / sympy raise anything)
+    return f'math-verify cannot parse the answer {text[:60]!r}: {type(e).__name__}'
+  if not any(not isinstance(p, str) for p in parsed):
+    return f'math-verify cannot parse the answer {text[:60]!r}'
+  return None
 
 
 class MathVerifier:
   """`check(gold, response) -> (reward, info)` through a `WorkerPool` of math-verify workers."""
 
-  def __init__(self, *, num_workers: int = 2, timeout_s: float = 5.0):
+  def __init__(self, *, num_workers: int = 2, timeout_s: float = 5.0, memory_mb: int = 1024):
     self.pool = WorkerPool(verify_answer, num_workers=num_workers, timeout_s=timeout_s,
-                           initializer=_import_math_verify)
+                           initializer=_import_math_verify, memory_mb=memory_mb)
 
   def check(self, gold: str, response: str) -> tuple[float, dict[str, Any]]:
     try:
@@ -251,15 +328,15 @@ class MathVerifier:
     self.pool.close()
 
 
-_SHARED: dict[tuple[int, float], MathVerifier] = {}
+_SHARED: dict[tuple[int, float, int], MathVerifier] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_verifier(num_workers: int = 2, timeout_s: float = 5.0) -> MathVerifier:
-  """One process-wide verifier per (num_workers, timeout): tasks and evals reuse its workers."""
+def shared_verifier(num_workers: int = 2, timeout_s: float = 5.0, memory_mb: int = 1024) -> MathVerifier:
+  """One process-wide verifier per (num_workers, timeout, memory): tasks and evals reuse its workers."""
   with _SHARED_LOCK:
-    key = (num_workers, float(timeout_s))
+    key = (num_workers, float(timeout_s), int(memory_mb))
     v = _SHARED.get(key)
     if v is None or v.pool.closed:
-      v = _SHARED[key] = MathVerifier(num_workers=num_workers, timeout_s=timeout_s)
+      v = _SHARED[key] = MathVerifier(num_workers=num_workers, timeout_s=timeout_s, memory_mb=memory_mb)
     return v

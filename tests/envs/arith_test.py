@@ -178,7 +178,7 @@ class CalculatorTest(parameterized.TestCase):
     for _ in range(2):
       self.assertFalse(env.step('<calc>1+1</calc>').done)
     obs, reward, done, info = env.step('<calc>1+1</calc>')
-    self.assertEqual((obs, reward, done), (None, 0.0, True))
+    self.assertEqual((obs, reward, done), ('<result>2</result>', 0.0, True))  # The result is kept (rollout).
     self.assertTrue(info['truncated'])
 
   def test_needs_two_turns(self):

@@ -10,6 +10,7 @@ from absl.testing import parameterized
 import numpy as np
 
 from sao_jax import envs
+from sao_jax import rollout
 from sao_jax.envs import evaluation
 from sao_jax.tokenizers import CharTokenizer
 
@@ -105,7 +106,7 @@ class ProblemResultTest(absltest.TestCase):
         del context, budget, stop_ids
         ids = tok.encode(text) + [tok.eos_id]
         return ids, [-1.0] * len(ids)
-      return envs.run_episode(task.make_env(ex), tok, gen, limits=envs.EpisodeLimits(1, 32, 256))
+      return rollout.run_episode(task.make_env(ex), tok, gen, limits=rollout.EpisodeLimits(1, 32, 256))
 
     right, wrong = play(f'<answer>{ex.answer}</answer>'), play('<answer>x</answer>')
     broken = play('<answer>1</answer>')

@@ -9,8 +9,10 @@ from absl.testing import parameterized
 
 from sao_jax import config_lib
 from sao_jax import envs
+from sao_jax import rollout
 from sao_jax.errors import ConfigError
 from sao_jax.envs import base
+from sao_jax.envs import sandbox
 from sao_jax.tokenizers import CharTokenizer
 
 _TASK_CONFIGS = ('arith', 'calculator', 'code', 'math', 'drift', 'imo')
@@ -69,6 +71,8 @@ class TaskConfigTest(parameterized.TestCase):
   @parameterized.parameters(*_TASK_CONFIGS)
   def test_config_validates_and_builds(self, name):
     config = importlib.import_module(f'configs.{name}').get_config()
+    if name == 'code' and sandbox.bwrap_problem() is not None:
+      config.task.kwargs.isolation = 'rlimits'  # bwrap is required by default; here only the build is tested.
     config_lib.validate(config)
     envs.validate_task_config(config)
     task = envs.get_task(config.task)
@@ -94,7 +98,7 @@ class TaskConfigTest(parameterized.TestCase):
 
   def test_episode_limits_from_config(self):
     config = importlib.import_module('configs.calculator').get_config()
-    self.assertEqual(envs.EpisodeLimits.from_config(config), envs.EpisodeLimits(4, 48, 512))
+    self.assertEqual(rollout.EpisodeLimits.from_config(config), rollout.EpisodeLimits(4, 48, 512))
 
   def test_validate_names_task_fields(self):
     config = importlib.import_module('configs.math').get_config()

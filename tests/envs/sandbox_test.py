@@ -1,12 +1,14 @@
 """The code sandbox against hostile programs: each is contained, the parent lives, nothing leaks out."""
 
 from concurrent import futures
+import ctypes
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -14,7 +16,8 @@ from absl.testing import parameterized
 from sao_jax.envs import sandbox as sandbox_lib
 
 _FAST = sandbox_lib.SandboxLimits(timeout_s=2.0, cpu_s=1, memory_mb=256, file_size_mb=1, max_procs=16)
-_HAS_BWRAP = shutil.which('bwrap') is not None and sandbox_lib.detect_isolation() == 'bwrap'
+_BWRAP_PROBLEM = sandbox_lib.bwrap_problem()
+_HAS_BWRAP = _BWRAP_PROBLEM is None
 _HAS_UNSHARE = shutil.which('unshare') is not None and sandbox_lib.detect_isolation() in ('bwrap', 'unshare')
 
 
@@ -36,7 +39,7 @@ class SandboxBwrapTest(absltest.TestCase):
   def setUp(self):
     super().setUp()
     if not _HAS_BWRAP:
-      self.skipTest('bubblewrap is not installed (apt-get install bubblewrap); CI installs it.')
+      self.skipTest(f'{_BWRAP_PROBLEM}; CI installs bubblewrap.')
     self.sb = sandbox_lib.Sandbox(_FAST, isolation='bwrap')
 
   def test_runs_plain_code_isolated(self):
@@ -210,11 +213,93 @@ class SandboxBwrapTest(absltest.TestCase):
       decoy.kill()
       decoy.wait()
 
+  def test_writable_mounts_are_size_capped(self):
+    # /dev/shm was an uncapped tmpfs (1 GB in 1.7 s, as files under the file-size limit), /dev writable too.
+    r = self.sb.run('import os\n'
+                    'for d in ["/dev/shm", "/tmp", "/dev", "/", "/proc", "/var/tmp", "/run"]:\n'
+                    '  n = 0\n'
+                    '  try:\n'
+                    '    for i in range(40):\n'
+                    '      with open(os.path.join(d, "f%d" % i), "wb") as f:\n'
+                    '        f.write(b"x" * (1 << 20))\n'
+                    '      n += 1\n'
+                    '  except OSError:\n'
+                    '    pass\n'
+                    '  print(d, n)\n')
+    self.assertEqual(r.returncode, 0, r.stderr)
+    written = dict(line.split() for line in r.stdout.splitlines())
+    self.assertLessEqual(int(written['/dev/shm']), _FAST.tmpfs_mb)
+    self.assertLessEqual(int(written['/tmp']), _FAST.tmpfs_mb)
+    self.assertGreater(int(written['/tmp']), 0)  # The working directory is writable.
+    for d in ('/dev', '/', '/proc', '/var/tmp', '/run'):
+      self.assertEqual(written[d], '0', d)
+
+  def test_no_zombie_is_left_behind(self):
+    # Orphans of a run (bwrap's own processes) must be reaped by the sandbox, not left to the system's init:
+    # with this process as a child subreaper, anything the run orphans would become our zombie child.
+    libc = ctypes.CDLL(None, use_errno=True)
+    self.assertEqual(libc.prctl(36, 1, 0, 0, 0), 0)  # PR_SET_CHILD_SUBREAPER
+    try:
+      self.sb.run('print(1)')
+      self.sb.run('import os, time\nif os.fork() == 0:\n  os.setsid()\n  time.sleep(30)\ntime.sleep(30)')
+      self.sb.run('import os\nos.fork()\nos._exit(0)')
+      zombies = []
+      for p in os.listdir('/proc'):
+        try:
+          with open(f'/proc/{p}/stat') as f:
+            head, tail = f.read().rsplit(')', 1)
+        except (OSError, ValueError):
+          continue
+        comm, (state, ppid) = head.split('(', 1)[1], tail.split()[:2]
+        # Our zombie children from a sandbox run (other tests' live workers are children too: not counted).
+        if ppid == str(os.getpid()) and state == 'Z' and comm in ('bwrap', 'python3', 'unshare'):
+          zombies.append((p, comm))
+      self.assertEqual(zombies, [])
+    finally:
+      libc.prctl(36, 0, 0, 0, 0)
+      while True:  # Reap whatever did come our way, so that a failure here does not leak into other tests.
+        try:
+          if os.waitpid(-1, os.WNOHANG)[0] == 0:
+            break
+        except ChildProcessError:
+          break
+
+  def test_a_program_cannot_pose_as_a_sandbox_failure(self):
+    # Printing bwrap's error format and exiting 1 used to raise SandboxError (an environment error).
+    r = self.sb.run('import sys\nsys.stderr.write("bwrap: Can\'t mount proc\\n")\nsys.exit(1)')
+    self.assertEqual(r.returncode, 1)
+    self.assertFalse(r.timed_out)
+
   def test_output_is_capped(self):
     sb = sandbox_lib.Sandbox(sandbox_lib.SandboxLimits(timeout_s=2.0, cpu_s=2, max_output_bytes=1000),
                              isolation='bwrap')
     r = sb.run('import sys\nfor _ in range(10**5):\n  sys.stdout.write("y" * 100)\n')
     self.assertLessEqual(len(r.stdout), 1000)
+
+
+class IsolationPolicyTest(absltest.TestCase):
+  """Isolation never weakens by itself: bwrap is required unless a weaker mode is asked for by name."""
+
+  def test_missing_bwrap_is_an_error_not_a_fallback(self):
+    which = shutil.which
+    with mock.patch.object(shutil, 'which', lambda name, *a, **k: None if name == 'bwrap' else which(name, *a, **k)):
+      with self.assertRaisesRegex(sandbox_lib.SandboxError, 'needs bubblewrap: bwrap is not installed'):
+        sandbox_lib.Sandbox(_FAST)
+      with self.assertRaisesRegex(sandbox_lib.SandboxError, 'bubblewrap'):
+        sandbox_lib.Sandbox(_FAST, isolation='bwrap')
+
+  def test_auto_is_not_a_mode(self):
+    with self.assertRaisesRegex(ValueError, "isolation='auto'"):
+      sandbox_lib.Sandbox(_FAST, isolation='auto')
+
+  def test_a_weaker_mode_by_name_warns_what_it_does_not_protect(self):
+    with self.assertLogs(level='WARNING') as logs:
+      sb = sandbox_lib.Sandbox(_FAST, isolation='rlimits')
+    text = '\n'.join(logs.output)
+    for want in ('WEAKER', 'does not protect', 'expected outputs', '/dev/shm', 'persist', 'command line',
+                 '127.0.0.1'):
+      self.assertIn(want, text)
+    self.assertEqual(sb.run('print(6 * 7)').stdout.strip(), '42')
 
 
 class SandboxFallbackTest(parameterized.TestCase):

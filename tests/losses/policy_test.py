@@ -156,6 +156,85 @@ class PolicyGradientTest(parameterized.TestCase):
     np.testing.assert_allclose(loss, -(surrogate * (n > 0)).sum() / rows, rtol=1e-5)
 
 
+class DoubleSideBandEdgeTest(parameterized.TestCase):
+  """SAO's band is open: a token is kept iff `1 - eps_low < r < 1 + eps_high`, r = pi_theta / pi_behavior.
+
+  eps_low = 0.5 and eps_high = 1.0 put the edges at 0.5 and 2.0, exact in float32; the log-ratios below are
+  float32 numbers whose exp (as XLA computes it) is exactly the edge, and the policy log-probs are built as
+  `behaviour + log-ratio` with every sum exact, so the loss sees the edge ratios bit for bit.
+  """
+
+  EPS_LOW, EPS_HIGH = 0.5, 1.0
+  BEHAVIOR = (-0.25, -0.75, -0.5, -0.125)  # Multiples of 2^-24: behaviour + log-ratio is exact in float32.
+
+  @staticmethod
+  @functools.lru_cache(maxsize=None)
+  def _loss_and_grad():
+    def f(logp, behavior, adv, mask):
+      return policy.policy_loss(logp, behavior, adv, mask, clip_mode='double_side',
+                                eps_low=DoubleSideBandEdgeTest.EPS_LOW, eps_high=DoubleSideBandEdgeTest.EPS_HIGH)
+    return jax.jit(jax.value_and_grad(f, has_aux=True))
+
+  def _log_ratios(self, edge):
+    """(x_edge, x_inside): float32 log-ratios with exp(x_edge) == edge exactly and exp(x_inside) just inside."""
+    exp = jax.jit(jax.numpy.exp)
+    x = np.float32(np.log(edge))
+    neighbours = [x]
+    for direction in (np.float32(np.inf), np.float32(-np.inf)):
+      y = x
+      for _ in range(6):
+        y = np.nextafter(y, direction, dtype=np.float32)
+        neighbours.append(y)
+    values = {float(y): float(exp(y)) for y in neighbours}
+    on_edge = [y for y, r in values.items() if r == edge]
+    self.assertNotEmpty(on_edge, f'no float32 log-ratio near log({edge}) has exp == {edge}: {values}')
+    inside = [y for y, r in values.items() if 0.5 < r < 2.0 and r != edge]
+    x_in = min(inside, key=lambda y: abs(values[y] - edge))
+    return np.float32(on_edge[0]), np.float32(x_in), values[x_in]
+
+  def _row(self, log_ratios, exact=True):
+    behavior = np.array([self.BEHAVIOR], np.float32)
+    logp = (behavior + np.array([log_ratios], np.float32)).astype(np.float32)
+    if exact:
+      np.testing.assert_array_equal(logp - behavior, [log_ratios])  # The sums are exact.
+    return logp, behavior
+
+  @parameterized.parameters(1.0, -1.0)
+  def test_ratio_exactly_on_an_edge_gives_no_gradient(self, sign):
+    x_lo, x_lo_in, r_lo_in = self._log_ratios(0.5)
+    x_hi, x_hi_in, r_hi_in = self._log_ratios(2.0)
+    logp, behavior = self._row([x_lo, x_lo_in, x_hi, x_hi_in])
+    adv = np.full((1, 4), sign, np.float32)
+    mask = np.ones((1, 4), bool)
+    (_, metrics), grad = self._loss_and_grad()(logp, behavior, adv, mask)
+    # The loss saw exactly the edges (its ratio metrics are the ratios it masks with) ...
+    self.assertEqual(float(metrics['ratio_min']), 0.5)
+    self.assertEqual(float(metrics['ratio_max']), 2.0)
+    # ... and cut both edge tokens (strict inequalities) while the tokens one ulp inside keep their gradient
+    # -r A / N, N = 4 action tokens (the cut ones count).
+    np.testing.assert_allclose(grad, [[0.0, -sign * r_lo_in / 4, 0.0, -sign * r_hi_in / 4]], rtol=1e-6)
+    self.assertEqual(float(grad[0, 0]), 0.0)
+    self.assertEqual(float(grad[0, 2]), 0.0)
+    self.assertAlmostEqual(float(metrics['clip_frac_low']), 0.25)
+    self.assertAlmostEqual(float(metrics['clip_frac_high']), 0.25)
+
+  @parameterized.parameters(1.0, -1.0)
+  def test_ratio_is_taken_to_the_behaviour_logprobs(self, sign):
+    # Policy log-probs = behaviour log-probs + known offsets: ratios 0.3 (out), 0.8, 1.6 (in), 2.5 (out).
+    ratios = np.array([0.3, 0.8, 1.6, 2.5])
+    logp, behavior = self._row(np.log(ratios).astype(np.float32), exact=False)
+    adv = (sign * np.array([[1.0, 2.0, 0.5, 1.5]])).astype(np.float32)
+    mask = np.ones((1, 4), bool)
+    (_, metrics), grad = self._loss_and_grad()(logp, behavior, adv, mask)
+    r = np.exp(np.float64(logp) - behavior)
+    want = np.where((r > 0.5) & (r < 2.0), -r * adv, 0.0) / 4
+    np.testing.assert_allclose(grad, want, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(grad)[:, [0, 3]], 0.0)
+    np.testing.assert_allclose(metrics['ratio_mean'], ratios.mean(), rtol=1e-6)
+    # A ratio to the current policy (r = 1: nothing cut, weight 1) would be far from this.
+    self.assertGreater(np.abs(-adv / 4 - grad).max(), 0.1)
+
+
 class PolicyLossValueAndMetricsTest(parameterized.TestCase):
 
   def test_ppo_loss_value_and_metrics(self):

@@ -1,6 +1,7 @@
 """Tests of the KV-cache sampler and the token-selection functions (tiny model, CPU)."""
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import numpy as np
 from absl.testing import absltest
 from absl.testing import parameterized
 from flax import nnx
+import ml_collections
 
 from sao_jax.models import sampling
 from sao_jax.models.config import get_model_config
@@ -29,6 +31,12 @@ def _model() -> Decoder:
     p = getattr(attn, name)
     p.value = 0.1 * jax.random.normal(jax.random.key(i), p.value.shape)
   return model
+
+
+@functools.lru_cache(maxsize=None)
+def _other_model() -> Decoder:
+  """Same architecture as `_model()`, other weights."""
+  return Decoder(_model().cfg, rngs=nnx.Rngs(1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,6 +161,77 @@ class SelectTokensTest(parameterized.TestCase):
       SamplingParams(temperature=-1.0)
     with self.assertRaisesRegex(ValueError, 'top_k'):
       SamplingParams(top_k=-2)
+
+
+class SamplingParamsTest(absltest.TestCase):
+
+  def test_from_config(self):
+    config = ml_collections.ConfigDict({'sampler': {'temperature': 0.7, 'top_p': 0.9, 'top_k': 5}})
+    want = SamplingParams(temperature=0.7, top_p=0.9, top_k=5)
+    self.assertEqual(SamplingParams.from_config(config.sampler), want)
+    self.assertEqual(SamplingParams.from_config(config), want)
+    config.sampler.top_p = 1.5
+    with self.assertRaisesRegex(ValueError, 'top_p must be in'):
+      SamplingParams.from_config(config.sampler)
+
+
+class WeightsSnapshotTest(absltest.TestCase):
+  """`update_weights` publishes (weights, version) atomically; a call uses one snapshot and reports it."""
+
+  _KW = dict(max_new_tokens=12, params=SamplingParams(temperature=0.0), min_new_tokens=12)
+
+  def setUp(self):
+    super().setUp()
+    self.sampler = _sampler()
+    self.v = self.sampler.version
+    self.addCleanup(self.sampler.update_weights, _model(), version=self.v)
+
+  def test_a_swap_between_calls_changes_the_weights_and_the_version(self):
+    old = self.sampler.generate(_PROMPTS, **self._KW)
+    self.sampler.update_weights(_other_model(), version=self.v + 3)
+    new = self.sampler.generate(_PROMPTS, **self._KW)
+    self.assertEqual((old.version, new.version), (self.v, self.v + 3))
+    self.assertFalse(np.array_equal(old.tokens, new.tokens))
+    self.sampler.update_weights(_model())  # Default version: the current one + 1.
+    again = self.sampler.generate(_PROMPTS, **self._KW)
+    self.assertEqual(again.version, self.v + 4)
+    np.testing.assert_array_equal(again.tokens, old.tokens)
+
+  def test_a_call_uses_one_snapshot_throughout(self):
+    """Weights published during a call (between its prefill and its decode, as another thread may) take effect
+    at the next call: the call's output is exactly the old weights'."""
+    sampler = self.sampler
+    old = sampler.generate(_PROMPTS, **self._KW)
+    decode = sampler._decode
+
+    def swapping_decode(*args):
+      sampler.update_weights(_other_model(), version=self.v + 1)
+      return decode(*args)
+
+    with mock.patch.object(sampler, '_decode', swapping_decode):
+      out = sampler.generate(_PROMPTS, **self._KW)
+    self.assertEqual((out.version, sampler.version), (self.v, self.v + 1))
+    np.testing.assert_array_equal(out.tokens, old.tokens)
+    np.testing.assert_array_equal(out.logprobs, old.logprobs)
+
+    # The same for a continuation, with the swap inside its prefill.
+    sampler.update_weights(_model(), version=self.v)
+    obs = [[20, 21, 22], [23], None]  # The shapes of test_continuation_matches_forward_without_reprefill.
+    start = lambda: sampler.generate(_PROMPTS[:3], max_new_tokens=[6, 4, 5], seeds=5, keep_state=True,
+                                     min_new_tokens=3, max_total_len=64).state
+    ref = sampler.continue_generation(start(), obs, max_new_tokens=7, keep_state=True)
+    prefill = sampler._prefill
+
+    def swapping_prefill(*args):
+      sampler.update_weights(_other_model(), version=self.v + 2)
+      return prefill(*args)
+
+    state = start()
+    with mock.patch.object(sampler, '_prefill', swapping_prefill):
+      out = sampler.continue_generation(state, obs, max_new_tokens=7, keep_state=True)
+    self.assertEqual(out.version, self.v)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.logprobs, ref.logprobs)
 
 
 class SamplerTest(parameterized.TestCase):
