@@ -117,25 +117,29 @@ def save_checkpoint(ckpt: checkpoint_lib.Checkpointer, learner: Learner, model_c
 
 def restore_checkpoint(ckpt: checkpoint_lib.Checkpointer, learner: Learner, config: Any,
                        prompts: actor_lib.PromptSource) -> int:
-  """Restores the newest checkpoint into `learner` and `prompts`; returns its step."""
-  step = ckpt.latest_step()
-  meta = ckpt.restore(step, items=('metadata',)).metadata or {}
-  diff = config_differences(meta.get('config', {}), config)
+  """Restores the newest intact checkpoint into `learner` and `prompts`; returns its step.
+
+  Raises:
+    ConfigError: the checkpoint's run had another config (the differing fields named), unless
+      `config.trainer.allow_config_change`.
+  """
+  state = learner.state
+  critic = learner.critic_model()
+  target = checkpoint_lib.CheckpointState(
+      step=0, policy=checkpoint_lib.abstract_target(nnx.state(learner.policy_model())),
+      critic=None if critic is None else checkpoint_lib.abstract_target(nnx.state(critic)),
+      optimizer=checkpoint_lib.abstract_target(_optimizer_item(state)))
+  got = ckpt.restore(None, target=target)  # The newest intact step (a damaged newer one is reported, skipped).
+  step = int(got.step)
+  saved = (got.metadata or {}).get('config', {})
+  diff = config_differences(saved, config)
   if diff and not config.trainer.allow_config_change:
-    saved = meta.get('config', {})
     now = _flat(config)
     detail = '; '.join(f'{k}: {saved.get(k)!r} -> {now.get(k)!r}' for k in diff[:10])
     raise ConfigError(f'config.workdir={config.workdir!r} holds a checkpoint (step {step}) of a run with another '
                       f'config ({detail}). Use a fresh --workdir, or set --config.trainer.allow_config_change=True.')
   if diff:
     logging.warning('Resuming step %d with a changed config (allowed): %s', step, diff)
-  state = learner.state
-  critic = learner.critic_model()
-  target = checkpoint_lib.CheckpointState(
-      step=step, policy=checkpoint_lib.abstract_target(nnx.state(learner.policy_model())),
-      critic=None if critic is None else checkpoint_lib.abstract_target(nnx.state(critic)),
-      optimizer=checkpoint_lib.abstract_target(_optimizer_item(state)))
-  got = ckpt.restore(step, target=target)
   policy = _restore_train_state(learner.policy_spec, state.policy, got.policy, got.optimizer['policy'])
   critic_ts = None
   if state.critic is not None:
@@ -143,7 +147,7 @@ def restore_checkpoint(ckpt: checkpoint_lib.Checkpointer, learner: Learner, conf
   learner.state = steps_lib.LearnerState(policy=policy, critic=critic_ts, step=got.optimizer['learner_step'])
   prompts.restore(got.data['prompts'])
   logging.info('Resumed from step %d (%d prompts taken so far).', step, prompts.taken)
-  return int(step)
+  return step
 
 
 # ------------------------------------------------------------------------------------------------------------
