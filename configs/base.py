@@ -135,4 +135,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   tr.eval_every = 0  # Learner steps between evals (0 = off).
   tr.checkpoint_every = 50  # Learner steps between checkpoints (0 = off).
   tr.keep_checkpoints = 3  # Checkpoints kept on disk.
+  tr.weight_switch = 'turn'  # Actors take new weights between turns ('turn') or only between episodes ('episode').
+  tr.allow_config_change = False  # Resume a workdir's checkpoint even when the config differs (named in the log).
+  tr.export_hf = ''  # Write the final policy as an HF directory here ('' = off).
+  tr.tensorboard = True  # TensorBoard event files in WORKDIR/tensorboard.
+  tr.wandb_project = ''  # Also log to this wandb project ('' = off; needs the wandb package).
   return c

@@ -42,6 +42,7 @@ from sao_jax.losses.policy import CLIP_MODES
 from sao_jax.models import config as model_config_lib
 from sao_jax.models import hf_io
 from sao_jax.parallel import distributed
+from sao_jax.rollout.actor import WEIGHT_SWITCHES
 from sao_jax.tokenizers import CharTokenizer
 
 __all__ = ['ConfigError', 'FIELDS', 'leaf_paths', 'validate']
@@ -206,6 +207,11 @@ FIELDS: dict[str, Check] = {
     'trainer.eval_every': _int(ge=0, why='0 = off.'),
     'trainer.checkpoint_every': _int(ge=0, why='0 = off.'),
     'trainer.keep_checkpoints': Check(int),
+    'trainer.weight_switch': _choice(WEIGHT_SWITCHES),
+    'trainer.allow_config_change': Check(bool),
+    'trainer.export_hf': Check(str),
+    'trainer.tensorboard': Check(bool),
+    'trainer.wandb_project': Check(str),
 }
 
 

@@ -14,6 +14,7 @@ from ml_collections import config_flags
 
 from sao_jax import config_lib
 from sao_jax import parallel
+from sao_jax import trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Config file, e.g. configs/arith.py (optionally `:arg`).', lock_config=True)
@@ -41,12 +42,6 @@ def main(argv):
     print(config)
     return
   logging.info('Config:\n%s', config)
-  try:
-    from sao_jax import trainer  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise SystemExit(
-        'sao_jax.trainer is not built yet: the actor-learner loop is a later issue. '
-        'Use --dry_run to check a config.') from e
   trainer.run(config)
 
 

@@ -8,6 +8,8 @@ not an accident.
 
 import ast
 import os
+import subprocess
+import sys
 import tempfile
 
 from absl.testing import absltest
@@ -23,7 +25,7 @@ ALLOWED = {
     'errors': set(),
     'types': set(),
     'losses': set(),
-    'sim': set(),
+    'sim': {'errors'},
     'tokenizers': {'errors'},
     'envs': {'errors', 'tokenizers'},
     'parallel': {'errors', 'types'},
@@ -72,7 +74,13 @@ def _imports(path: str, module: str, is_package: bool):
   """Absolute names of everything `path` imports (lazy imports too); relative imports resolved."""
   with open(path, encoding='utf-8') as f:
     tree = ast.parse(f.read(), path)
+  typing_only = set()  # Imports under `if TYPE_CHECKING:` (annotations only: no runtime dependency).
   for node in ast.walk(tree):
+    if isinstance(node, ast.If) and 'TYPE_CHECKING' in ast.unparse(node.test):
+      typing_only.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+  for node in ast.walk(tree):
+    if id(node) in typing_only:
+      continue
     if isinstance(node, ast.Import):
       for alias in node.names:
         yield alias.name, node.lineno
@@ -90,6 +98,15 @@ def _imports(path: str, module: str, is_package: bool):
 
 
 class LayeringTest(absltest.TestCase):
+
+  def test_text_level_rooms_load_no_device_library(self):
+    """Importing every module of envs, tokenizers and sim in a fresh interpreter loads no jax or flax."""
+    modules = [m for m, _ in _modules() if _room(m) in ('envs', 'tokenizers', 'sim', 'errors')]
+    code = ('import sys\n' + ''.join(f'import {m}\n' for m in modules) +
+            'print(sorted(k for k in sys.modules if k.split(".")[0] in %r))' % sorted(_DEVICE_LIBS))
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(ROOT))
+    self.assertEqual(out.stdout.strip(), '[]', out.stderr[-2000:])
 
   def test_every_room_is_placed(self):
     rooms = {_room(m) for m, _ in _modules()} - {''}

@@ -12,9 +12,12 @@
 - `episodes`: `EpisodeLimits`, `run_episodes` (batched, multi-turn), `run_episode` (one episode, same loop).
 - `layout`: `Turn`, `episode_to_trajectory`, `message_observation_ids`, `stop_ids_for`, `safe_decode`.
 - `pack`: `pack(...) -> Packed(batch, kept, dropped)`, `check_batch`, `DROP_REASONS`.
+- `trajectory_queue`: the bounded `TrajectoryQueue` between actors and the learner (staleness, whole groups).
+- `actor`: `Actor`, `ActorThread`, `PromptSource`, `WeightPublisher` (what the trainer runs).
 """
 
 from sao_jax.rollout.backends import Backend, ContextBackend, GenerateFn, Generation, SamplerBackend
 from sao_jax.rollout.episodes import EpisodeLimits, run_episode, run_episodes
 from sao_jax.rollout.layout import Turn, episode_to_trajectory, message_observation_ids, safe_decode, stop_ids_for
 from sao_jax.rollout.pack import DROP_REASONS, Packed, check_batch, pack
+from sao_jax.rollout.trajectory_queue import BatchDraw, QueueClosed, TrajectoryQueue

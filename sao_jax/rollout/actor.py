@@ -1,0 +1,254 @@
+"""Actors: play episodes with the latest published weights and feed the trajectory queue.
+
+    publisher = WeightPublisher()
+    publisher.publish(learner.policy_model(), version=learner.step)      # after every learner update
+    actor = Actor(backend, tokenizer, task, prompts, publisher=publisher, limits=..., decoding=..., ...)
+    items = actor.play()           # sync mode: one call of the episode runner, items of whole groups
+    thread = ActorThread(actor, queue); thread.start()    # async mode: play -> queue.put, until stopped
+
+Weights. `WeightPublisher.publish` copies the learner's policy state onto the actors' sharding (one jitted
+copy, dispatched asynchronously: the learner does not wait for it, and the copy survives the learner donating
+its own buffers at the next update). An actor compares versions at every turn (`weight_switch='turn'`,
+turn-level partial rollout: a multi-turn episode may go on with newer weights, every turn records its version)
+or only before each batch of episodes (`'episode'`: one version per episode) and converts the new weights to
+the sampler's decode layout in its own thread.
+
+Prompts. `PromptSource` hands out the task's training examples to every actor under a lock, numbered in the
+order taken; a prompt's G rollouts share its number as `group_id`, and each episode's sampling seed is
+`episode_seed(config.seed, number, j)`, so what a prompt generates does not depend on which actor took it.
+Its `state()` (the iterator's position) goes into checkpoints: a resumed run continues with the next prompt
+not yet handed out (prompts that were in flight or queued at the save are not replayed).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sao_jax import types
+from sao_jax.envs.base import Example, ExampleIterator, Task
+from sao_jax.models.sampling import SamplingParams
+from sao_jax.rollout.backends import SamplerBackend
+from sao_jax.rollout.episodes import EpisodeLimits, run_episodes
+from sao_jax.rollout.trajectory_queue import QueueClosed, TrajectoryQueue
+from sao_jax.tokenizers import Tokenizer
+
+WEIGHT_SWITCHES = ('turn', 'episode')
+
+
+def episode_seed(seed: int, prompt: int, sample: int) -> int:
+  """A uint32 sampling seed per (run seed, prompt number, sample index); independent of batching and actors."""
+  return int(np.random.SeedSequence([int(seed) % (1 << 32), int(prompt), int(sample) + 1]).generate_state(1)[0])
+
+
+class PromptSource:
+  """The task's training examples, handed out under a lock and numbered in order (see the module docstring)."""
+
+  def __init__(self, iterator: ExampleIterator):
+    self._iterator = iterator
+    self._lock = threading.Lock()
+    self._taken = 0
+
+  def take(self, n: int) -> list[tuple[int, Example]]:
+    with self._lock:
+      out = []
+      for _ in range(n):
+        out.append((self._taken, next(self._iterator)))
+        self._taken += 1
+      return out
+
+  @property
+  def taken(self) -> int:
+    return self._taken
+
+  def state(self) -> dict[str, Any]:
+    with self._lock:
+      return {'iterator': self._iterator.state(), 'taken': self._taken}
+
+  def restore(self, state: Mapping[str, Any]) -> None:
+    with self._lock:
+      self._iterator.restore(state['iterator'])
+      self._taken = int(state['taken'])
+
+
+class WeightPublisher:
+  """The newest policy weights and their version, copied onto the actors' sharding (module docstring).
+
+  Args:
+    shardings_fn: `state -> shardings` of the actor copy (default: each array keeps its own sharding: on a
+      shared device set the copy is a plain device-side copy).
+  """
+
+  def __init__(self, shardings_fn: Callable[[Any], Any] | None = None):
+    self._shardings_fn = shardings_fn
+    self._lock = threading.Lock()
+    self._current: tuple[Any, Any, int] | None = None  # (graphdef, state, version)
+    self._copy = None
+
+  def publish(self, model: nnx.Module, *, version: int) -> None:
+    graphdef, state = nnx.split(model)
+    if self._copy is None:
+      out = None if self._shardings_fn is None else self._shardings_fn(state)
+      self._copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=out)
+    copied = self._copy(state)
+    with self._lock:
+      self._current = (graphdef, copied, int(version))
+
+  @property
+  def version(self) -> int:
+    with self._lock:
+      return -1 if self._current is None else self._current[2]
+
+  def latest(self) -> tuple[nnx.Module, int]:
+    with self._lock:
+      if self._current is None:
+        raise RuntimeError('No weights have been published yet.')
+      graphdef, state, version = self._current
+    return nnx.merge(graphdef, state), version
+
+
+class _FollowingBackend:
+  """A `SamplerBackend` that takes newer published weights before a turn (or only before a batch)."""
+
+  def __init__(self, inner: SamplerBackend, publisher: WeightPublisher, per_turn: bool):
+    self.inner = inner
+    self.publisher = publisher
+    self.per_turn = per_turn
+    self.stop_ids = inner.stop_ids
+
+  def refresh(self) -> None:
+    if self.publisher.version > self.inner.sampler.version:
+      model, version = self.publisher.latest()
+      self.inner.update_weights(model, version=version)
+
+  def first_turn(self, prompts, budgets, *, decoding, seeds):
+    self.refresh()
+    return self.inner.first_turn(prompts, budgets, decoding=decoding, seeds=seeds)
+
+  def next_turn(self, handle, observations, budgets, *, decoding):
+    if self.per_turn:
+      self.refresh()
+    return self.inner.next_turn(handle, observations, budgets, decoding=decoding)
+
+
+class Actor:
+  """Plays batches of episodes: `episodes_per_call` rows, `group_size` rollouts per prompt.
+
+  Args:
+    backend: this actor's KV-cache sampler backend (one per actor thread: samplers are not shared).
+    tokenizer, task: the run's tokenizer and task.
+    prompts: the shared `PromptSource`.
+    publisher: where the newest weights come from.
+    limits: episode budgets.
+    decoding: sampling settings (`SamplingParams.from_config(config.sampler)`).
+    seed: the run seed (episode seeds derive from it).
+    group_size: rollouts per prompt (`config.algo.group_size`).
+    episodes_per_call: rows of one call of the episode runner (`config.sampler.batch_size`, rounded down to
+      whole groups).
+    weight_switch: 'turn' or 'episode' (see the module docstring).
+    step_timeout_s: wall-clock bound of one env step.
+  """
+
+  def __init__(self, backend: SamplerBackend, tokenizer: Tokenizer, task: Task, prompts: PromptSource, *,
+               publisher: WeightPublisher, limits: EpisodeLimits, decoding: SamplingParams, seed: int,
+               group_size: int = 1, episodes_per_call: int = 16, weight_switch: str = 'turn',
+               step_timeout_s: float | None = None):
+    if weight_switch not in WEIGHT_SWITCHES:
+      raise ValueError(f'weight_switch={weight_switch!r} is not one of {WEIGHT_SWITCHES}.')
+    self.backend = _FollowingBackend(backend, publisher, per_turn=weight_switch == 'turn')
+    self.tokenizer = tokenizer
+    self.task = task
+    self.prompts = prompts
+    self.limits = limits
+    self.decoding = decoding
+    self.seed = int(seed)
+    self.group_size = int(group_size)
+    self.prompts_per_call = max(1, int(episodes_per_call) // self.group_size)
+    self.step_timeout_s = step_timeout_s
+    self.generated_tokens = 0
+    self.episodes = 0
+
+  def play(self, num_prompts: int | None = None) -> list[list[types.Trajectory]]:
+    """One call of the episode runner on `num_prompts` prompts (default: a full call); returns items (one
+    trajectory, or one prompt's whole group)."""
+    taken = self.prompts.take(self.prompts_per_call if num_prompts is None else int(num_prompts))
+    envs, seeds, group_ids = [], [], []
+    for number, example in taken:
+      for j in range(self.group_size):
+        envs.append(self.task.make_env(example))
+        seeds.append(episode_seed(self.seed, number, j))
+        group_ids.append(number)
+    trajs = run_episodes(self.backend, self.tokenizer, envs, limits=self.limits, decoding=self.decoding,
+                         seeds=seeds, group_ids=group_ids, step_timeout_s=self.step_timeout_s)
+    for t, (number, example) in zip(trajs, [x for x in taken for _ in range(self.group_size)]):
+      t.info.setdefault('prompt_number', number)
+      t.info.setdefault('uid', example.uid)
+    self.generated_tokens += sum(t.num_action_tokens for t in trajs)
+    self.episodes += len(trajs)
+    g = self.group_size
+    return [trajs[i:i + g] for i in range(0, len(trajs), g)]
+
+
+class ActorThread(threading.Thread):
+  """Runs `actor.play()` and puts its items into `queue` until `stop()` or the queue closes.
+
+  A failing call (an exception escaping the episode runner: env failures inside a step are already caught
+  and scored there) is logged with its prompts, counted, and the loop goes on; after `max_consecutive_failures`
+  failures in a row the thread ends and keeps the last error in `error` (the trainer restarts it or stops).
+  """
+
+  def __init__(self, actor: Actor, queue: TrajectoryQueue, *, index: int = 0, max_consecutive_failures: int = 3):
+    super().__init__(name=f'actor-{index}', daemon=True)
+    self.actor = actor
+    self.queue = queue
+    self.max_consecutive_failures = int(max_consecutive_failures)
+    self._stop_event = threading.Event()
+    self.failures = 0
+    self.error: BaseException | None = None
+    self.busy_s = 0.0
+
+  def stop(self) -> None:
+    self._stop_event.set()
+
+  def run(self) -> None:
+    consecutive = 0
+    while not self._stop_event.is_set():
+      t0 = time.perf_counter()
+      try:
+        items = self.actor.play()
+      except Exception as e:  # pylint: disable=broad-except  (logged, counted; the loop goes on)
+        self.failures += 1
+        consecutive += 1
+        self.error = e
+        logging.exception('%s: a batch of episodes failed (%d in a row): %s', self.name, consecutive, e)
+        if consecutive >= self.max_consecutive_failures:
+          logging.error('%s: stopping after %d consecutive failures.', self.name, consecutive)
+          return
+        continue
+      consecutive = 0
+      self.busy_s += time.perf_counter() - t0
+      try:
+        for item in items:
+          self.queue.put(item)
+      except QueueClosed:
+        return
+
+
+def play_rows(actor: Actor, rows: int) -> list[types.Trajectory]:
+  """Sync mode: exactly `rows` trajectories (whole groups) from calls of at most one full call each."""
+  if rows % actor.group_size:
+    raise ValueError(f'rows={rows} is not a multiple of group_size={actor.group_size}.')
+  out: list[types.Trajectory] = []
+  while len(out) < rows:
+    prompts = min(actor.prompts_per_call, (rows - len(out)) // actor.group_size)
+    for item in actor.play(prompts):
+      out.extend(item)
+  return out
