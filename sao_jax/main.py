@@ -13,6 +13,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from sao_jax import config_lib
+from sao_jax import metrics
 from sao_jax import parallel
 from sao_jax import trainer
 
@@ -28,6 +29,7 @@ flags.mark_flags_as_required(['config'])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  metrics.quiet_library_logs()
   config = _CONFIG.value
   if _WORKDIR.value is not None:
     with config.unlocked():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging as logging_std
 import math
 import numbers
 import os
@@ -29,6 +30,24 @@ import numpy as np
 import tensorboardX
 
 METRICS_FILE = 'metrics.jsonl'
+
+
+class _LibraryInfoFilter(logging_std.Filter):
+  """Drops INFO lines from the given libraries' source files (orbax logs every file rename of a save)."""
+
+  def __init__(self, packages: tuple[str, ...]):
+    super().__init__()
+    self._parts = tuple(f'{os.sep}{p}{os.sep}' for p in packages)
+
+  def filter(self, record: logging_std.LogRecord) -> bool:
+    return record.levelno >= logging_std.WARNING or not any(p in record.pathname for p in self._parts)
+
+
+def quiet_library_logs(packages: tuple[str, ...] = ('orbax',)) -> None:
+  """Keeps the console readable: INFO lines of `packages` are dropped (warnings and errors still show)."""
+  handler = logging.get_absl_handler()
+  if not any(isinstance(f, _LibraryInfoFilter) for f in handler.filters):
+    handler.addFilter(_LibraryInfoFilter(packages))
 
 
 def _scalar(value: Any) -> float | int | bool | str | None:

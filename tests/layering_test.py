@@ -37,7 +37,7 @@ ALLOWED = {
     'config_lib': _BELOW_LOOP,
     'eval': _BELOW_LOOP | {'config_lib'},
     'trainer': _BELOW_LOOP | {'config_lib', 'eval'},
-    'main': {'errors', 'config_lib', 'trainer', 'parallel'},
+    'main': {'errors', 'config_lib', 'trainer', 'parallel', 'metrics'},
     'benchmarks': _BELOW_LOOP | {'config_lib', 'eval', 'trainer', 'sim'},
     'tools': _BELOW_LOOP | {'config_lib'},
     'experiments': _BELOW_LOOP | {'config_lib', 'eval', 'trainer', 'sim'},
