@@ -254,6 +254,11 @@ def _check_relations(config: ml_collections.ConfigDict) -> None:
   if max(tr.seq_buckets) < s.max_seq_len:
     raise ConfigError(f'config.trainer.seq_buckets={tuple(tr.seq_buckets)}: the largest must be >= '
                       f'config.sampler.max_seq_len={s.max_seq_len} (a whole episode is packed into one row).')
+  per_call = max(a.group_size, s.batch_size // a.group_size * a.group_size)
+  if tr.queue_size < per_call:
+    raise ConfigError(f'config.trainer.queue_size={tr.queue_size}: must hold one sampler call\'s episodes '
+                      f'(config.sampler.batch_size={s.batch_size} in whole groups of {a.group_size} = {per_call}); '
+                      'actors reserve room before they generate.')
 
 
 def _check_model(config: ml_collections.ConfigDict) -> model_config_lib.ModelConfig:

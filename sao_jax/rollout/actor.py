@@ -220,11 +220,18 @@ class ActorThread(threading.Thread):
 
   def run(self) -> None:
     consecutive = 0
+    n = self.actor.prompts_per_call * self.actor.group_size
     while not self._stop_event.is_set():
+      try:
+        if not self.queue.reserve(n, timeout=1.0):  # Room for what this call will generate (bounds staleness).
+          continue
+      except QueueClosed:
+        return
       t0 = time.perf_counter()
       try:
         items = self.actor.play()
       except Exception as e:  # pylint: disable=broad-except  (logged, counted; the loop goes on)
+        self.queue.release(n)
         self.failures += 1
         consecutive += 1
         self.error = e
@@ -237,7 +244,7 @@ class ActorThread(threading.Thread):
       self.busy_s += time.perf_counter() - t0
       try:
         for item in items:
-          self.queue.put(item)
+          self.queue.put(item, reserved=True)
       except QueueClosed:
         return
 

@@ -11,6 +11,10 @@ last one finishes, so a group enters the queue whole and a half group can never 
     counted.
 
 When the queue holds `capacity` trajectories, `put` waits (actors block; nothing is dropped silently).
+Actors reserve room BEFORE they generate (`reserve(n)`; `put(..., reserved=True)` then uses the reservation),
+so the capacity bounds queued plus in-flight trajectories: with the learner taking B per step, a trajectory
+is drawn at most about `capacity / B` versions after its episode started, instead of actors racing ahead
+and generating work the staleness filter then throws away.
 `close()` wakes every waiter: `put` then raises `QueueClosed`, `get_batch` returns what it has (possibly
 fewer rows) once the queue is empty.
 """
@@ -92,6 +96,7 @@ class TrajectoryQueue:
     self._clock = clock
     self._items: collections.deque[list[types.Trajectory]] = collections.deque()
     self._size = 0
+    self._reserved = 0  # Room promised to episodes being generated.
     self._closed = False
     self._cond = threading.Condition()
     self.stats = QueueStats()
@@ -110,8 +115,41 @@ class TrajectoryQueue:
       self._closed = True
       self._cond.notify_all()
 
-  def put(self, item: Sequence[types.Trajectory], timeout: float | None = None) -> bool:
-    """Adds one item, waiting while the queue is full; False on timeout.
+  def _wait_for_room(self, n: int, deadline: float | None) -> bool:
+    """Under the lock: waits until `n` more trajectories fit (queued + reserved); False at the deadline."""
+    while not self._closed and self._size + self._reserved + n > self.capacity:
+      left = None if deadline is None else deadline - self._clock()
+      if left is not None and left <= 0:
+        return False
+      self._cond.wait(left)
+    if self._closed:
+      raise QueueClosed('the trajectory queue is closed.')
+    return True
+
+  def reserve(self, n: int, timeout: float | None = None) -> bool:
+    """Reserves room for `n` trajectories about to be generated, waiting while full; False on timeout.
+
+    Raises:
+      QueueClosed: the queue was closed before or while waiting.
+    """
+    if n > self.capacity:
+      raise ValueError(f'cannot reserve {n} trajectories in a queue of capacity {self.capacity}.')
+    t0 = self._clock()
+    with self._cond:
+      if not self._wait_for_room(n, None if timeout is None else t0 + timeout):
+        return False
+      self._reserved += n
+      self.stats.put_wait_s += self._clock() - t0
+    return True
+
+  def release(self, n: int) -> None:
+    """Gives back `n` reserved trajectories that will not come (a failed batch of episodes)."""
+    with self._cond:
+      self._reserved = max(0, self._reserved - n)
+      self._cond.notify_all()
+
+  def put(self, item: Sequence[types.Trajectory], timeout: float | None = None, *, reserved: bool = False) -> bool:
+    """Adds one item, waiting while the queue is full (unless its room was `reserve`d); False on timeout.
 
     Raises:
       ValueError: an item that is not `group_size` trajectories of one `group_id` (for groups).
@@ -123,15 +161,13 @@ class TrajectoryQueue:
     if self.group_size > 1 and len({t.group_id for t in item}) != 1:
       raise ValueError(f'a group must share one group_id, got {[t.group_id for t in item]}.')
     t0 = self._clock()
-    deadline = None if timeout is None else t0 + timeout
     with self._cond:
-      while not self._closed and self._size + len(item) > self.capacity:
-        left = None if deadline is None else deadline - self._clock()
-        if left is not None and left <= 0:
-          return False
-        self._cond.wait(left)
-      if self._closed:
-        raise QueueClosed('the trajectory queue is closed.')
+      if reserved:
+        if self._closed:
+          raise QueueClosed('the trajectory queue is closed.')
+        self._reserved = max(0, self._reserved - len(item))
+      elif not self._wait_for_room(len(item), None if timeout is None else t0 + timeout):
+        return False
       self._items.append(item)
       self._size += len(item)
       self.stats.put += len(item)

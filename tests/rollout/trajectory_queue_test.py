@@ -116,6 +116,25 @@ class TrajectoryQueueTest(absltest.TestCase):
     draw = q.get_batch(2, learner_version=0, timeout=0.01)
     self.assertLen(draw.trajectories, 1)
 
+  def test_reservations_bound_queued_plus_in_flight(self):
+    q = tq.TrajectoryQueue(4, max_staleness=8)
+    self.assertTrue(q.reserve(3))  # An actor is generating 3 episodes.
+    self.assertFalse(q.reserve(2, timeout=0.01))  # A second actor must wait: 3 + 2 > 4.
+    self.assertFalse(q.put([traj()], timeout=0.01) and q.put([traj()], timeout=0.01))  # Unreserved puts too.
+    self.assertEqual(len(q), 1)
+    for _ in range(3):
+      q.put([traj()], reserved=True)  # The reserved ones always go in.
+    self.assertEqual(len(q), 4)
+    q.get_batch(2, learner_version=0)
+    self.assertTrue(q.reserve(2, timeout=0.01))  # Room again once the learner took some.
+    q.release(2)  # That batch failed: its room comes back.
+    self.assertTrue(q.reserve(2, timeout=0.01))
+    with self.assertRaisesRegex(ValueError, 'capacity'):
+      q.reserve(5)
+    q.close()
+    with self.assertRaises(tq.QueueClosed):
+      q.reserve(1)
+
   def test_capacity_must_hold_a_group(self):
     with self.assertRaisesRegex(ValueError, 'cannot hold one group'):
       tq.TrajectoryQueue(4, group_size=8, max_staleness=0)
