@@ -3,8 +3,8 @@
 All inputs are `[B, T]`. `logprobs = log pi_theta(a_t | s_t)` (the only differentiable input),
 `behavior_logprobs = log pi_behavior(a_t | s_t)` recorded by the sampler, `advantages` (no gradient) and
 `mask` (action tokens). Ratios are computed in float32 from log-prob differences,
-`r_t = exp(clip(logprobs_t - ref_t, -20, 20))`, so they never overflow (a clamped token gets no gradient
-through the ratio; at e^20 it is far outside any band anyway). The loss is minimised: it is `-J`.
+`r_t = exp(clip(logprobs_t - ref_t, -20, 20))` (`common.clamp_log_ratio`), so they never overflow (a clamped
+token gets no gradient through the ratio; at e^20 it is far outside any band anyway). The loss is minimised: it is `-J`.
 
 Modes (`clip_mode`), with `A_t` the advantage and `sg` stop-gradient:
   - `double_side` (SAO): `f(r) = r` if `1 - eps_low < r < 1 + eps_high` else 0;
@@ -41,12 +41,11 @@ from sao_jax.losses import common
 
 CLIP_MODES = ('double_side', 'ppo', 'dual_clip', 'gspo')
 BEHAVIOR_CORRECTIONS = ('none', 'tis', 'icepop')
-LOG_RATIO_CLAMP = 20.0  # |log r| is clamped here before exp: e^20 ~ 5e8, no inf in float32.
 
 
 def safe_ratio(log_ratio: jax.Array) -> jax.Array:
-  """`exp(clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))` in float32."""
-  return jnp.exp(jnp.clip(log_ratio.astype(jnp.float32), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+  """`exp(common.clamp_log_ratio(log_ratio))` in float32: never inf."""
+  return jnp.exp(common.clamp_log_ratio(log_ratio))
 
 
 def policy_loss(logprobs: jax.Array, behavior_logprobs: jax.Array, advantages: jax.Array, mask: jax.Array,
@@ -158,7 +157,7 @@ def policy_loss(logprobs: jax.Array, behavior_logprobs: jax.Array, advantages: j
 
   loss = common.aggregate(per_token, m, agg, agg_max_len)
 
-  log_ratio_behavior = jnp.clip(lax.stop_gradient(logp) - logp_behavior, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+  log_ratio_behavior = common.clamp_log_ratio(lax.stop_gradient(logp) - logp_behavior)
   k3 = jnp.exp(log_ratio_behavior) - 1.0 - log_ratio_behavior
   metrics.update(
       clip_frac_low=common.masked_mean(cut_low.astype(jnp.float32), m),
