@@ -17,7 +17,8 @@ one optimizer update; the critic forwards run per microbatch too; 0 = the whole 
 tokens/s = batch * seq / median step time (compile excluded, reported separately). Model FLOPs use the
 PaLM convention of `ModelConfig.flops_per_token` (forward + backward = 3 forwards; the critic has no
 lm-head matmul; frozen attention is not discounted), and MFU divides by the float32 `jnp.dot` peak
-measured in the same run.
+measured in the same run (the best of before and after the programs). On a shared machine the load
+changes both; compare runs made back to back.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ def main(argv):
   if _MICRO.value and rows % _MICRO.value:
     raise app.UsageError(f'--microbatch={_MICRO.value} must divide --batch={rows}.')
   print(f'microbatch: {_MICRO.value or rows} rows ({rows // (_MICRO.value or rows)} per optimizer update)')
+  peak0 = matmul_peak()[0] if _PEAK.value else None
   runs = {}
   for prog in _PROGRAMS.value:
     config = _config('grpo' if prog == 'grpo' else 'sao', rows, _GROUP.value, len(devices))
@@ -133,7 +135,7 @@ def main(argv):
       'critic': fpt_critic * (2 + 2 / 3),
       'grpo': fpt,
   }
-  peak = matmul_peak()[0] if _PEAK.value else None
+  peak = max(peak0, matmul_peak()[0]) if _PEAK.value else None  # The best of before and after the programs.
   print(f'\n{"program":<74} {"compile+1st s":>13} {"step s":>8} {"tokens/s":>9} {"GFLOP/s":>8} {"MFU":>6}')
   medians = {}
   for prog, (first, med, _) in runs.items():
