@@ -112,6 +112,21 @@ def _assert_same_metrics(test, got, want):
     np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+class RowPartsTest(absltest.TestCase):
+
+  def test_join_parts_inverts_take_minibatch(self):
+    x = jnp.arange(8 * 3).reshape(8, 3)
+    parts = jnp.stack([steps.take_minibatch(x, jnp.int32(i), 4, None) for i in range(4)])
+    np.testing.assert_array_equal(parts[1][:, 0], [3, 15])  # Part 1 = rows 1 and 5 (interleaved).
+    np.testing.assert_array_equal(steps.join_parts(parts, None), x)
+    got = steps.map_rows(lambda r: r * 2 + r[:, :1], x, 4, None)  # Row-wise: equals fn on the whole.
+    np.testing.assert_array_equal(got, x * 2 + x[:, :1])
+    self.assertEqual(steps.num_microbatches(8, 0), 1)
+    self.assertEqual(steps.num_microbatches(8, 2), 4)
+    with self.assertRaisesRegex(ValueError, 'microbatch_size=3'):
+      steps.num_microbatches(8, 3)
+
+
 class ObjectiveAccumulationTest(parameterized.TestCase):
   """`run_updates` with microbatches of 4 and 2 rows (2 and 4 microbatches) == all 8 rows at once."""
 
