@@ -172,13 +172,15 @@ class ObjectiveAccumulationTest(parameterized.TestCase):
 
 
 @functools.cache
-def _learner_update(algo: str, microbatch_size: int):
+def _learner_update(algo: str, microbatch_size: int, minibatch_size: int = 4, mesh_shape=(1, 1)):
   """Params (policy, critic) and metrics after one learner step with SGD, past any warmup."""
   overrides = {'trainer.microbatch_size': microbatch_size, 'optim.optimizer': 'sgd', 'optim.grad_clip': 0.0,
                'optim.actor_lr': 0.05, 'optim.critic_lr': 0.05}
   if algo == 'sao':
-    overrides.update({'trainer.minibatch_size': 4, 'algo.critic_warmup_steps': 0, 'algo.entropy_coef': 0.1})
-  learner = Learner(H.config(algo, **overrides), policy=_policy(), mesh=H.mesh(1, 1), model_config=H.MODEL)
+    overrides.update({'trainer.minibatch_size': minibatch_size, 'algo.critic_warmup_steps': 0,
+                      'algo.entropy_coef': 0.1})
+  learner = Learner(H.config(algo, **overrides), policy=_policy(), mesh=H.mesh(*mesh_shape),
+                    model_config=H.MODEL)
   batch = H.batch(0, pad_rows=1 if algo == 'sao' else 2)
   am = np.array(batch.action_mask)
   for b, keep in enumerate((5, 0, 3, 1, 5, 0, 4, 2)):  # 3 to 8 action tokens per row.
@@ -206,6 +208,14 @@ class LearnerAccumulationTest(parameterized.TestCase):
       for name in want:
         _assert_same_update(self, got[name], want[name], tol=1e-3)
       _assert_same_metrics(self, got_m, want_m)
+
+  def test_sharded_microbatches_equal_single_device_whole_batch(self):
+    """Rows over fsdp=4 (x tensor=2): 2 microbatches of 4 rows, one per device each, critic forwards included."""
+    want, want_m = _learner_update('sao', 0, 0)
+    got, got_m = _learner_update('sao', 4, 0, (4, 2))
+    for name in want:
+      _assert_same_update(self, got[name], want[name], tol=1e-3)
+    _assert_same_metrics(self, got_m, want_m)
 
 
 if __name__ == '__main__':
