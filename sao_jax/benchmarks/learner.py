@@ -1,6 +1,7 @@
 r"""Learner throughput: one SAO step vs one GRPO step at the same token count, and the critic/policy split.
 
-  python -m sao_jax.benchmarks.learner [--model=bench-25m --batch=8 --seq=256 --steps=3]
+  python -m sao_jax.benchmarks.learner [--model=bench-25m --batch=8 --seq=256 --steps=3 --microbatch=2
+                                        --programs=sao,critic,grpo]
 
 All three programs are the real `sao_jax.learner.Learner` update (jitted, sharded, state donated):
 
@@ -10,10 +11,14 @@ All three programs are the real `sao_jax.learner.Learner` update (jitted, sharde
                     `lax.cond`), so policy part = SAO step - critic part;
   GRPO step         group advantages (G = --group) -> one policy update, no critic.
 
+`--microbatch=m` sets `config.trainer.microbatch_size` (gradient accumulation over microbatches of m rows,
+one optimizer update; the critic forwards run per microbatch too; 0 = the whole batch at once).
+
 tokens/s = batch * seq / median step time (compile excluded, reported separately). Model FLOPs use the
 PaLM convention of `ModelConfig.flops_per_token` (forward + backward = 3 forwards; the critic has no
 lm-head matmul; frozen attention is not discounted), and MFU divides by the float32 `jnp.dot` peak
-measured in the same run.
+measured in the same run (the best of before and after the programs). On a shared machine the load
+changes both; compare runs made back to back.
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ _GROUP = flags.DEFINE_integer('group', 4, 'GRPO group size.')
 _STEPS = flags.DEFINE_integer('steps', 2, 'Timed steps per program (after one compile + warm-up step).')
 _DEVICES = flags.DEFINE_integer('devices', 1, 'Devices of the learner mesh (fsdp axis).')
 _PEAK = flags.DEFINE_bool('peak', True, 'Measure the float32 matmul peak for MFU.')
+_MICRO = flags.DEFINE_integer('microbatch', 0, 'config.trainer.microbatch_size: rows per gradient-accumulation '
+                              'microbatch (0 = the whole batch at once).')
+_PROGRAMS = flags.DEFINE_list('programs', ['sao', 'critic', 'grpo'],
+                              'Programs to time: sao (SAO step), critic (its critic part), grpo (GRPO step).')
 
 
 def synthetic_batch(rows: int, seq: int, prompt: int, vocab: int, group: int, seed: int = 0) -> Batch:
@@ -60,6 +69,7 @@ def _config(algo: str, rows: int, group: int, devices: int):
   c = base.get_config()
   c.algo.name = algo
   c.trainer.batch_size = rows
+  c.trainer.microbatch_size = _MICRO.value
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, devices, 1
   if algo == 'sao':
     c.algo.critic_epochs = 2
@@ -99,43 +109,54 @@ def main(argv):
   policy = lambda: Decoder(cfg, rngs=nnx.Rngs(0))  # Each learner creates it directly sharded, under jit.
   batch = synthetic_batch(rows, seq, _PROMPT.value, cfg.vocab_size, _GROUP.value)
 
+  names = {
+      'sao': 'SAO step (critic fwd, K=2 critic updates, critic fwd, 1 policy update)',
+      'critic': 'SAO critic part (same program, policy update skipped)',
+      'grpo': f'GRPO step (G={_GROUP.value}, 1 policy update)',
+  }
+  unknown = set(_PROGRAMS.value) - set(names)
+  if unknown:
+    raise app.UsageError(f'--programs: unknown {sorted(unknown)}; choose from {list(names)}.')
+  if _MICRO.value and rows % _MICRO.value:
+    raise app.UsageError(f'--microbatch={_MICRO.value} must divide --batch={rows}.')
+  print(f'microbatch: {_MICRO.value or rows} rows ({rows // (_MICRO.value or rows)} per optimizer update)')
+  peak0 = matmul_peak()[0] if _PEAK.value else None
   runs = {}
-  sao = _config('sao', rows, _GROUP.value, len(devices))
-  runs['SAO step (critic fwd, K=2 critic updates, critic fwd, 1 policy update)'] = time_program(
-      sao, policy, batch, _STEPS.value, devices)
-  critic_only = _config('sao', rows, _GROUP.value, len(devices))
-  critic_only.algo.critic_warmup_steps = 10 ** 9
-  runs['SAO critic part (same program, policy update skipped)'] = time_program(
-      critic_only, policy, batch, _STEPS.value, devices)
-  grpo = _config('grpo', rows, _GROUP.value, len(devices))
-  runs[f'GRPO step (G={_GROUP.value}, 1 policy update)'] = time_program(grpo, policy, batch, _STEPS.value, devices)
+  for prog in _PROGRAMS.value:
+    config = _config('grpo' if prog == 'grpo' else 'sao', rows, _GROUP.value, len(devices))
+    if prog == 'critic':
+      config.algo.critic_warmup_steps = 10 ** 9
+    runs[prog] = time_program(config, policy, batch, _STEPS.value, devices)
 
   fpt = cfg.flops_per_token(seq)
   fpt_critic = fpt - 6.0 * cfg.vocab_size * cfg.embed_dim  # No lm-head matmul in the critic.
   flops = {  # Model FLOPs of each program per token: update = 3 forwards, forward = 1/3 of an update.
-      0: fpt_critic * (2 + 2 / 3) + fpt,
-      1: fpt_critic * (2 + 2 / 3),
-      2: fpt,
+      'sao': fpt_critic * (2 + 2 / 3) + fpt,
+      'critic': fpt_critic * (2 + 2 / 3),
+      'grpo': fpt,
   }
-  peak = matmul_peak()[0] if _PEAK.value else None
+  peak = max(peak0, matmul_peak()[0]) if _PEAK.value else None  # The best of before and after the programs.
   print(f'\n{"program":<74} {"compile+1st s":>13} {"step s":>8} {"tokens/s":>9} {"GFLOP/s":>8} {"MFU":>6}')
-  medians = []
-  for i, (name, (first, med, _)) in enumerate(runs.items()):
-    gflops = tokens * flops[i] / med / 1e9
+  medians = {}
+  for prog, (first, med, _) in runs.items():
+    gflops = tokens * flops[prog] / med / 1e9
     mfu = f'{100 * gflops * 1e9 / peak:5.1f}%' if peak else '   n/a'
-    print(f'{name:<74} {first:13.1f} {med:8.3f} {tokens / med:9.0f} {gflops:8.1f} {mfu:>6}')
-    medians.append(med)
-  sao_s, critic_s, grpo_s = medians
-  policy_s = max(sao_s - critic_s, 0.0)
-  print(f'\nSAO step split: critic {critic_s:.3f} s ({100 * critic_s / sao_s:.0f}%), '
-        f'policy {policy_s:.3f} s ({100 * policy_s / sao_s:.0f}%)')
-  print(f'SAO step / GRPO step time at equal tokens: {sao_s / grpo_s:.2f}x '
-        f'(model-FLOP ratio {flops[0] / flops[2]:.2f}x)')
+    print(f'{names[prog]:<74} {first:13.1f} {med:8.3f} {tokens / med:9.0f} {gflops:8.1f} {mfu:>6}')
+    medians[prog] = med
+  if {'sao', 'critic'} <= set(medians):
+    sao_s, critic_s = medians['sao'], medians['critic']
+    policy_s = max(sao_s - critic_s, 0.0)
+    print(f'\nSAO step split: critic {critic_s:.3f} s ({100 * critic_s / sao_s:.0f}%), '
+          f'policy {policy_s:.3f} s ({100 * policy_s / sao_s:.0f}%)')
+  if {'sao', 'grpo'} <= set(medians):
+    print(f'SAO step / GRPO step time at equal tokens: {medians["sao"] / medians["grpo"]:.2f}x '
+          f'(model-FLOP ratio {flops["sao"] / flops["grpo"]:.2f}x)')
   if peak:
     print(f'float32 matmul peak in this run: {peak / 1e9:.0f} GFLOP/s')
-  m = runs[next(iter(runs))][2]
-  print(f'SAO critic grad norm {m["critic/grad_norm"]:.3g} (frozen attention), '
-        f'policy grad norm {m["policy/grad_norm"]:.3g}')
+  if 'sao' in runs:
+    m = runs['sao'][2]
+    print(f'SAO critic grad norm {m["critic/grad_norm"]:.3g} (frozen attention), '
+          f'policy grad norm {m["policy/grad_norm"]:.3g}')
 
 
 if __name__ == '__main__':

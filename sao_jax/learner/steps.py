@@ -2,7 +2,7 @@
 
 One SAO step (DESIGN "Order inside one SAO step"):
 
-  1. critic forward -> V_old[B, T] (and V at the state after the last action, for truncated rows);
+  1. critic forward -> V_old[B, T] (and V at the state after each row's last token, for truncated rows);
   2. value targets with skip-observation GAE at lambda_critic (default 1: Monte-Carlo returns), fixed;
   3. K = `critic_epochs` passes of critic updates (masked MSE) over minibatches of the batch;
   4. critic forward again -> V_new (or reuse V_old: `advantages_from='pre_update'`);
@@ -15,12 +15,34 @@ The GRPO family has no critic: group advantages of the rows' rewards, broadcast 
 then step 6. Every optimizer update is guarded: a non-finite loss or gradient norm leaves parameters
 and optimizer state as they were and bumps the skip counters.
 
+Truncated rows (`batch.truncated`: cut by a turn, observation or token limit, so not terminal), by
+`algo.truncation`:
+  - 'bootstrap': the GAE chain of the row ends in `V(tokens[b, :L_b])`, the critic's value of the state
+    after the row's last real token (`next_values[b, L_b - 1]`, see `critic_values`). `L_b` = the row's
+    real tokens: rows are right-padded with the model's `pad_id` (the critic's `ModelConfig.pad_id`), and
+    padding = the trailing `pad_id` tokens that are not action tokens (`real_lengths`; a row whose last
+    real token is a non-action `pad_id` would be read one token short). The rollout makes that end a kind
+    of state the critic is trained on (its targets sit at states where an action token is generated): a
+    turn-limit or observation-overflow cut keeps the final observation as non-action tokens, a
+    `max_new_tokens` cut ends mid-turn on an action token, and rows ending right after a turn-closing stop
+    token are dropped there.
+  - 'drop': the row's tokens leave the mask: no critic target, no policy gradient, no count in any
+    denominator or metric.
+
 Minibatches are interleaved rows (`b = m * n_minibatches + i` for minibatch i), so with rows sharded
 over `('data', 'fsdp')` every device already holds its share of every minibatch: no data movement.
+Microbatches (`microbatch_size` rows, gradient accumulation) are interleaved the same way inside a
+minibatch. One optimizer update sums the microbatches' gradients of the minibatch loss written as
+`L = sum_j w_j L_j`: a term aggregated with `agg` gets `w_j = c_j / c` (`losses.aggregate_count`: the
+microbatch's share of the action tokens for token means, of the non-empty rows for row means), so the sum
+is the whole minibatch's gradient exactly (up to float summation order) for every aggregation; the
+update's loss and metrics are computed once on the minibatch from the microbatches' per-token outputs.
+The whole-batch forward passes (critic values, proximal log-probs) run per microbatch too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -62,18 +84,18 @@ class LearnerState:
 masked_mean = losses.masked_mean
 
 
-def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array) -> jax.Array:
-  """1 - Var[R - V] / Var[R] over masked tokens (1: perfect, 0: no better than a constant; 0 if Var[R] = 0)."""
-  var_ret = losses.common.masked_var(returns, mask)
-  var_res = losses.common.masked_var(returns - values, mask)
-  return jnp.where(var_ret > 0, 1.0 - var_res / jnp.where(var_ret > 0, var_ret, 1.0), 0.0)
+def real_lengths(tokens: jax.Array, action_mask: jax.Array, pad_id: int) -> jax.Array:
+  """Real tokens `L_b` of right-padded rows: 1 + the last index holding an action token or a token other
+  than `pad_id` (0 for a row of padding only). int32 `[B]`."""
+  t = tokens.shape[-1]
+  real = (tokens != pad_id) | (action_mask > 0)
+  return jnp.max(jnp.where(real, jnp.arange(1, t + 1, dtype=jnp.int32)[None], 0), axis=-1)
 
 
-def last_action_index(action_mask: jax.Array) -> jax.Array:
-  """Index of each row's last action token (0 for rows without one)."""
-  t = action_mask.shape[-1]
-  idx = jnp.arange(t, dtype=jnp.int32)
-  return jnp.max(jnp.where(action_mask > 0, idx[None], 0), axis=-1)
+def truncation_bootstrap(next_values: jax.Array, lengths: jax.Array, truncated: jax.Array) -> jax.Array:
+  """`V(tokens[b, :L_b]) = next_values[b, L_b - 1]` for truncated rows, 0 for terminal ones. float32 `[B]`."""
+  end = jnp.take_along_axis(next_values, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
+  return jnp.where(truncated, end, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -85,8 +107,8 @@ def critic_values(critic: nnx.Module, tokens: jax.Array) -> tuple[jax.Array, jax
 
   `next_values[b, t] = head(hidden[b, t])` = V(tokens[b, :t+1]), the value of the state after token t;
   `values[b, t] = next_values[b, t-1]` (DESIGN alignment, `values[:, 0] = 0`), exactly what
-  `ValueModel.__call__` returns. One backbone pass gives both: `next_values` at a row's last action
-  token bootstraps a truncated row from the state after its last generated token.
+  `ValueModel.__call__` returns. One backbone pass gives both: `next_values` at a row's last real token
+  bootstraps a truncated row from the state after it.
   """
   next_values = critic.head(critic.backbone.hidden(tokens))
   values = jnp.pad(next_values[:, :-1], ((0, 0), (1, 0)))
@@ -118,12 +140,28 @@ def guarded_apply(spec: state_lib.ModelSpec, ts: state_lib.TrainState, grads: An
   return new_ts, {'grad_norm': jnp.where(ok, grad_norm, 0.0), 'skipped': (~ok).astype(jnp.float32)}
 
 
-def num_minibatches(rows: int, minibatch_size: int) -> int:
-  if minibatch_size <= 0 or minibatch_size >= rows:
+def _num_parts(rows: int, size: int, field: str) -> int:
+  if size <= 0 or size >= rows:
     return 1
-  if rows % minibatch_size:
-    raise ValueError(f'config.trainer.minibatch_size={minibatch_size} does not divide the batch ({rows} rows).')
-  return rows // minibatch_size
+  if rows % size:
+    raise ValueError(f'config.trainer.{field}={size} does not divide the {rows} rows it splits.')
+  return rows // size
+
+
+def num_minibatches(rows: int, minibatch_size: int) -> int:
+  """Minibatches (optimizer updates per epoch) of a batch of `rows` (1 when `minibatch_size` is 0)."""
+  return _num_parts(rows, minibatch_size, 'minibatch_size')
+
+
+def num_microbatches(rows: int, microbatch_size: int) -> int:
+  """Microbatches (gradient-accumulation chunks) of `rows` rows (1 when `microbatch_size` is 0)."""
+  return _num_parts(rows, microbatch_size, 'microbatch_size')
+
+
+def _constrain_rows(y: jax.Array, mesh: Mesh | None) -> jax.Array:
+  if mesh is None:
+    return y
+  return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, parallel.batch_spec(y.ndim)))
 
 
 def take_minibatch(tree: Any, i: jax.Array, n: int, mesh: Mesh | None) -> Any:
@@ -132,11 +170,27 @@ def take_minibatch(tree: Any, i: jax.Array, n: int, mesh: Mesh | None) -> Any:
     if n == 1:
       return x
     x = x.reshape((x.shape[0] // n, n) + x.shape[1:])
-    y = jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False)
-    if mesh is not None:
-      y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, parallel.batch_spec(y.ndim)))
-    return y
+    return _constrain_rows(jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), mesh)
   return jax.tree.map(one, tree)
+
+
+def join_parts(tree: Any, mesh: Mesh | None) -> Any:
+  """Inverse of `take_minibatch` over all its parts: leaves `[n, B / n, ...]` (part i = rows `m * n + i`)
+  -> `[B, ...]` in row order."""
+  def one(x):
+    return _constrain_rows(jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:]), mesh)
+  return jax.tree.map(one, tree)
+
+
+def map_rows(fn: Callable[[Any], Any], tree: Any, parts: int, mesh: Mesh | None) -> Any:
+  """`fn(tree)` computed on `parts` interleaved row chunks one after another (`lax.map`), in row order.
+
+  For row-wise `fn` (a model forward) the result equals `fn(tree)`; peak activation memory is one chunk's.
+  """
+  if parts == 1:
+    return fn(tree)
+  out = jax.lax.map(lambda j: fn(take_minibatch(tree, j, parts, mesh)), jnp.arange(parts, dtype=jnp.int32))
+  return join_parts(out, mesh)
 
 
 def _mean_metrics(stacked: Metrics) -> Metrics:
@@ -146,25 +200,77 @@ def _mean_metrics(stacked: Metrics) -> Metrics:
   return out
 
 
-def run_updates(spec: state_lib.ModelSpec, ts: state_lib.TrainState, data: Any,
-                loss_fn: Callable[..., tuple[jax.Array, Metrics]], *, epochs: int, minibatch_size: int,
-                mesh: Mesh | None, extra: Any = None) -> tuple[state_lib.TrainState, Metrics]:
+Scale = Callable[[str], Any]
+
+
+def _whole(agg: str) -> float:
+  """The `Scale` of a loss over the whole minibatch: every term counts once."""
+  del agg
+  return 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """A loss split at the model, so the rows of one update can be cut into microbatches.
+
+  Attributes:
+    forward: `(model, rows, extra) -> outputs`, the model on some rows: a dict of per-row arrays
+      (`[b, T]`, differentiable w.r.t. the model).
+    loss: `(outputs, rows, scale) -> (loss, metrics)`, pure; each term of the loss aggregated with
+      `agg` (see `losses.common.AGGREGATIONS`) is multiplied by `scale(agg)`.
+  """
+  forward: Callable[[nnx.Module, Any, Any], dict[str, jax.Array]]
+  loss: Callable[[dict[str, jax.Array], Any, Scale], tuple[jax.Array, Metrics]]
+
+
+def _grad_and_metrics(spec: state_lib.ModelSpec, ts: state_lib.TrainState, mb: Any, objective: Objective,
+                      extra: Any, parts: int, mesh: Mesh | None) -> tuple[jax.Array, Metrics, Any]:
+  """(loss, metrics, gradient w.r.t. `ts.params`) of the objective on the minibatch `mb`.
+
+  With `parts` > 1 the gradient is accumulated over `parts` interleaved microbatches (`lax.scan`): part j's
+  terms are scaled by `aggregate_count(mask_j, agg) / aggregate_count(mask, agg)`, so the sum of the parts'
+  gradients is the minibatch's gradient. Loss and metrics come from `objective.loss` on the whole
+  minibatch, fed the parts' outputs in row order.
+  """
+  def at(params, rows, scale):
+    out = objective.forward(nnx.merge(spec.graphdef, params, ts.rest), rows, extra)
+    loss, metrics = objective.loss(out, rows, scale)
+    return loss, (metrics, out)
+
+  if parts == 1:
+    (loss, (metrics, _)), grads = jax.value_and_grad(at, has_aux=True)(ts.params, mb, _whole)
+    return loss, metrics, grads
+
+  totals = {agg: jnp.maximum(losses.aggregate_count(mb['mask'], agg), 1.0) for agg in losses.common.AGGREGATIONS}
+
+  def micro(acc, j):
+    rows = take_minibatch(mb, j, parts, mesh)
+    scale = lambda agg: losses.aggregate_count(rows['mask'], agg) / totals[agg]
+    (_, (_, out)), grads = jax.value_and_grad(at, has_aux=True)(ts.params, rows, scale)
+    return jax.tree.map(jnp.add, acc, grads), jax.lax.stop_gradient(out)
+
+  zeros = jax.tree.map(jnp.zeros_like, ts.params)
+  grads, outs = jax.lax.scan(micro, zeros, jnp.arange(parts, dtype=jnp.int32))
+  loss, metrics = objective.loss(join_parts(outs, mesh), mb, _whole)
+  return loss, metrics, grads
+
+
+def run_updates(spec: state_lib.ModelSpec, ts: state_lib.TrainState, data: Any, objective: Objective, *,
+                epochs: int, minibatch_size: int, mesh: Mesh | None, microbatch_size: int = 0,
+                extra: Any = None) -> tuple[state_lib.TrainState, Metrics]:
   """`epochs` passes of guarded updates over minibatches of `data` (a `lax.scan`, one compile).
 
-  `loss_fn(model, minibatch, extra) -> (loss, metrics)`; gradients are taken w.r.t. `ts.params` only.
-  Returns the new state and the metrics averaged over updates (`skipped` summed).
+  `data` is a dict of `[B, ...]` arrays with the action mask under 'mask'; each update's gradient is
+  accumulated over microbatches of `microbatch_size` rows (0: the whole minibatch at once) and taken
+  w.r.t. `ts.params` only. Returns the new state and the metrics averaged over updates (`skipped` summed).
   """
   rows = jax.tree.leaves(data)[0].shape[0]
   n = num_minibatches(rows, minibatch_size)
+  parts = num_microbatches(rows // n, microbatch_size)
 
   def body(ts, k):
     mb = take_minibatch(data, k % n, n, mesh)
-
-    def objective(params):
-      model = nnx.merge(spec.graphdef, params, ts.rest)
-      return loss_fn(model, mb, extra)
-
-    (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(ts.params)
+    loss, metrics, grads = _grad_and_metrics(spec, ts, mb, objective, extra, parts, mesh)
     ts, guard = guarded_apply(spec, ts, grads, loss)
     return ts, {'loss': loss, **metrics, **guard}
 
@@ -173,46 +279,59 @@ def run_updates(spec: state_lib.ModelSpec, ts: state_lib.TrainState, data: Any,
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Losses of one minibatch.
+# Objectives of one minibatch.
 
 
-def make_critic_loss(cfg: algo_lib.StepConfig):
-  def critic_loss(model, mb, _):
-    values, _ = critic_values(model, mb['tokens'])
-    clip = cfg.value_clip_eps > 0
-    loss, metrics = losses.value_loss(values, mb['returns'], mb['mask'],
-                                      old_values=mb['old_values'] if clip else None,
-                                      clip_eps=cfg.value_clip_eps if clip else None)
-    return loss, metrics
-  return critic_loss
+def critic_objective(cfg: algo_lib.StepConfig) -> Objective:
+  """Masked MSE of the critic's values to the fixed returns (`losses.value_loss`, token mean)."""
+  clip = cfg.value_clip_eps > 0
+
+  def forward(model, rows, _):
+    return {'values': critic_values(model, rows['tokens'])[0]}
+
+  def loss(out, rows, scale):
+    value, metrics = losses.value_loss(out['values'], rows['returns'], rows['mask'],
+                                       old_values=rows['old_values'] if clip else None,
+                                       clip_eps=cfg.value_clip_eps if clip else None)
+    return scale('token_mean') * value, metrics
+
+  return Objective(forward, loss)
 
 
-def make_policy_loss(cfg: algo_lib.StepConfig, ref_graphdef: Any = None):
-  """Policy loss of a minibatch; `ref` (the extra argument) is the reference model's full `nnx.State`."""
+def policy_objective(cfg: algo_lib.StepConfig, ref_graphdef: Any = None) -> Objective:
+  """`losses.policy_loss` (aggregated with `cfg.agg`), minus `entropy_coef` times the token-mean entropy,
+  plus `kl_coef` times the token-mean KL to the reference policy (`extra`: its full `nnx.State`)."""
+  use_ref = bool(cfg.kl_coef)
 
-  def loss_fn(model, mb, ref):
-    logp, ent = logprobs_lib.token_logprobs(model, mb['tokens'], return_entropy=True)
-    loss, metrics = losses.policy_loss(
-        logp, mb['behavior_logprobs'], mb['advantages'], mb['mask'], clip_mode=cfg.clip_mode,
+  def forward(model, rows, ref):
+    logp, ent = logprobs_lib.token_logprobs(model, rows['tokens'], return_entropy=True)
+    out = {'logprobs': logp, 'entropy': ent}
+    if use_ref and ref is not None:
+      ref_model = nnx.merge(ref_graphdef, ref)
+      out['ref_logprobs'] = jax.lax.stop_gradient(logprobs_lib.token_logprobs(ref_model, rows['tokens']))
+    return out
+
+  def loss(out, rows, scale):
+    logp, mask = out['logprobs'], rows['mask']
+    pg, metrics = losses.policy_loss(
+        logp, rows['behavior_logprobs'], rows['advantages'], mask, clip_mode=cfg.clip_mode,
         eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.agg, dual_clip_c=cfg.dual_clip_c,
-        agg_max_len=cfg.agg_max_len, proximal_logprobs=mb.get('proximal_logprobs'),
+        agg_max_len=cfg.agg_max_len, proximal_logprobs=rows.get('proximal_logprobs'),
         behavior_correction=cfg.behavior_correction, tis_cap=cfg.tis_cap, icepop_low=cfg.icepop_low,
         icepop_high=cfg.icepop_high)
     metrics.pop('num_action_tokens', None)
-    mask = mb['mask']
-    entropy = masked_mean(ent, mask)
+    total = scale(cfg.agg) * pg
+    entropy = masked_mean(out['entropy'], mask)
     if cfg.entropy_coef:
-      loss = loss - cfg.entropy_coef * entropy
-    entropy = jax.lax.stop_gradient(entropy)
-    metrics = {**metrics, 'entropy': entropy}
-    if cfg.kl_coef and ref is not None:
-      ref_model = nnx.merge(ref_graphdef, ref)
-      ref_logp = jax.lax.stop_gradient(logprobs_lib.token_logprobs(ref_model, mb['tokens']))
-      kl_ref = losses.masked_kl(logp, ref_logp, mask, cfg.kl_estimator)
-      loss = loss + cfg.kl_coef * kl_ref
+      total = total - cfg.entropy_coef * scale('token_mean') * entropy
+    metrics = {**metrics, 'entropy': jax.lax.stop_gradient(entropy)}
+    if 'ref_logprobs' in out:
+      kl_ref = losses.masked_kl(logp, out['ref_logprobs'], mask, cfg.kl_estimator)
+      total = total + cfg.kl_coef * scale('token_mean') * kl_ref
       metrics['kl_ref'] = jax.lax.stop_gradient(kl_ref)
-    return loss, metrics
-  return loss_fn
+    return total, metrics
+
+  return Objective(forward, loss)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -243,16 +362,19 @@ def group_advantages(cfg: algo_lib.StepConfig, row_rewards: jax.Array) -> jax.Ar
 
 def _policy_phase(cfg, policy_spec, ref_graphdef, ts, data, ref_params, active, mesh):
   """Policy updates; under `lax.cond(active, ...)` when `active` is given (warmup leaves ts untouched)."""
-  loss_fn = make_policy_loss(cfg, ref_graphdef)
+  objective = policy_objective(cfg, ref_graphdef)
 
   def run(ts):
     mb_data = data
     if cfg.behavior_correction != 'none':
       # Decoupled PPO: the proximal policy is the policy at the start of this learner step.
-      prox = logprobs_lib.token_logprobs(state_lib.merge(policy_spec, ts), data['tokens'])
+      model = state_lib.merge(policy_spec, ts)
+      prox = map_rows(lambda toks: logprobs_lib.token_logprobs(model, toks), data['tokens'],
+                      num_microbatches(data['tokens'].shape[0], cfg.microbatch_size), mesh)
       mb_data = {**data, 'proximal_logprobs': jax.lax.stop_gradient(prox)}
-    return run_updates(policy_spec, ts, mb_data, loss_fn, epochs=cfg.policy_epochs,
-                       minibatch_size=cfg.minibatch_size, mesh=mesh, extra=ref_params)
+    return run_updates(policy_spec, ts, mb_data, objective, epochs=cfg.policy_epochs,
+                       minibatch_size=cfg.minibatch_size, microbatch_size=cfg.microbatch_size, mesh=mesh,
+                       extra=ref_params)
 
   if active is None:
     return run(ts)
@@ -303,32 +425,35 @@ def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
       mask = action_mask * (~truncated).astype(f32)[:, None]
     else:
       mask = action_mask
-    last = last_action_index(mask)
+    parts = num_microbatches(batch.tokens.shape[0], cfg.microbatch_size)
+    pad_id = state_lib.merge(critic_spec, state.critic).cfg.pad_id  # Static: the critic's ModelConfig.
+    lengths = real_lengths(batch.tokens, batch.action_mask, pad_id)
 
-    # 1-2. Fixed value targets from the critic before its update.
-    critic = state_lib.merge(critic_spec, state.critic)
-    values_old, next_old = critic_values(critic, batch.tokens)
-    values_old, next_old = jax.lax.stop_gradient((values_old, next_old))
+    def values_of(critic_ts):  # (values, next_values) of the batch, one microbatch at a time.
+      critic = state_lib.merge(critic_spec, critic_ts)
+      out = map_rows(lambda toks: critic_values(critic, toks), batch.tokens, parts, mesh)
+      return jax.lax.stop_gradient(out)
 
     def bootstrap(next_values):
       if cfg.truncation != 'bootstrap':
         return None
-      v_last = jnp.take_along_axis(next_values, last[:, None], axis=1)[:, 0]
-      return jnp.where(truncated, v_last, 0.0)
+      return truncation_bootstrap(next_values, lengths, truncated)
 
+    # 1-2. Fixed value targets from the critic before its update.
+    values_old, next_old = values_of(state.critic)
     _, returns = losses.skip_observation_gae(batch.rewards, values_old, mask, gamma=cfg.gamma,
                                               lam=cfg.lam_critic, bootstrap=bootstrap(next_old))
     returns = jax.lax.stop_gradient(returns)
 
     # 3. K critic epochs on the fixed returns.
     critic_data = {'tokens': batch.tokens, 'returns': returns, 'mask': mask, 'old_values': values_old}
-    critic_ts, critic_m = run_updates(critic_spec, state.critic, critic_data, make_critic_loss(cfg),
-                                      epochs=cfg.critic_epochs, minibatch_size=cfg.minibatch_size, mesh=mesh)
+    critic_ts, critic_m = run_updates(critic_spec, state.critic, critic_data, critic_objective(cfg),
+                                      epochs=cfg.critic_epochs, minibatch_size=cfg.minibatch_size,
+                                      microbatch_size=cfg.microbatch_size, mesh=mesh)
 
     # 4-5. Policy advantages from the updated (or the pre-update) critic.
     if cfg.advantages_from == 'updated_critic':
-      values_new, next_new = jax.lax.stop_gradient(
-          critic_values(state_lib.merge(critic_spec, critic_ts), batch.tokens))
+      values_new, next_new = values_of(critic_ts)
     else:
       values_new, next_new = values_old, next_old
     lam = (losses.adaptive_lambda(mask, cfg.adaptive_alpha) if cfg.lam_policy < 0
@@ -348,8 +473,8 @@ def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
 
     metrics = {
         **_prefixed('critic', critic_m),
-        'critic/explained_variance_before': explained_variance(values_old, returns, mask),
-        'critic/explained_variance_after': explained_variance(values_new, returns, mask),
+        'critic/explained_variance_before': losses.explained_variance(values_old, returns, mask),
+        'critic/explained_variance_after': losses.explained_variance(values_new, returns, mask),
         'critic/value_mean_before': masked_mean(values_old, mask),
         'critic/return_mean': masked_mean(returns, mask),
         **_prefixed('policy', policy_m),

@@ -11,10 +11,14 @@ from sao_jax.losses.advantages import leave_one_out_advantages
 from sao_jax.losses.advantages import skip_observation_gae
 from sao_jax.losses.advantages import skip_observation_gae_scan
 from sao_jax.losses.advantages import whiten
+from sao_jax.losses.common import LOG_RATIO_CLAMP
 from sao_jax.losses.common import aggregate
+from sao_jax.losses.common import aggregate_count
+from sao_jax.losses.common import clamp_log_ratio
 from sao_jax.losses.common import masked_mean
 from sao_jax.losses.kl import entropy_from_logits
 from sao_jax.losses.kl import kl_estimate
 from sao_jax.losses.kl import masked_kl
 from sao_jax.losses.policy import policy_loss
+from sao_jax.losses.value import explained_variance
 from sao_jax.losses.value import value_loss

@@ -12,6 +12,15 @@ import jax
 import jax.numpy as jnp
 
 AGGREGATIONS = ('token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum')
+LOG_RATIO_CLAMP = 20.0  # |log r| is clamped here before any exp: e^20 ~ 5e8, no inf in float32.
+
+
+def clamp_log_ratio(log_ratio: jax.Array) -> jax.Array:
+  """`clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)` in float32: safe to exponentiate.
+
+  A clamped entry gets no gradient (at e^20 it is far outside any ratio band or sensible KL anyway).
+  """
+  return jnp.clip(jnp.asarray(log_ratio).astype(jnp.float32), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 def as_float_mask(mask: jax.Array) -> jax.Array:
@@ -46,6 +55,21 @@ def masked_min(x: jax.Array, mask: jax.Array) -> jax.Array:
   """Min of x over the mask (float32 scalar); 0 when the mask is empty."""
   m = jnp.asarray(mask) != 0
   return jnp.where(jnp.any(m), jnp.min(jnp.where(m, x.astype(jnp.float32), jnp.inf)), 0.0)
+
+
+def aggregate_count(mask: jax.Array, agg: str) -> jax.Array:
+  """What `aggregate` divides by, before its `max(., 1)`: masked tokens (`token_mean`) or rows with at
+  least one masked token (the `seq_mean_*` modes), float32.
+
+  This is what makes a loss over the rows of a batch split exactly into parts (gradient accumulation):
+  with rows partitioned into parts `P_i`, `aggregate(l, m) = sum_i (c_i / max(c, 1)) aggregate(l[P_i], m[P_i])`
+  where `c_i = aggregate_count(m[P_i])` and `c = sum_i c_i` (a part without tokens contributes 0).
+  """
+  if agg == 'token_mean':
+    return jnp.sum(as_float_mask(mask))
+  if agg in AGGREGATIONS:
+    return jnp.sum((jnp.sum(as_float_mask(mask), axis=-1) > 0).astype(jnp.float32))
+  raise ValueError(f'agg must be one of {AGGREGATIONS}, got {agg!r}')
 
 
 def aggregate(per_token: jax.Array, mask: jax.Array, agg: str = 'token_mean', max_len: int = 0) -> jax.Array:

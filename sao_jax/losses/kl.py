@@ -16,13 +16,13 @@ import jax.numpy as jnp
 from sao_jax.losses import common
 
 KL_ESTIMATORS = ('k1', 'k2', 'k3')
-_LOG_RATIO_CLAMP = 20.0
 
 
 def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = 'k3') -> jax.Array:
   """Per-token estimate of KL(pi || ref) from `logprobs = log pi(a)` and `ref_logprobs = log ref(a)`.
 
-  Formulas in the module docstring (`log_r = ref_logprobs - logprobs`, clamped to +-20 before exp in k3).
+  Formulas in the module docstring (`log_r = ref_logprobs - logprobs`, clamped with `common.clamp_log_ratio`
+  before exp in k3).
   Differentiable w.r.t. both inputs; float32; same shape as the inputs.
   """
   chex.assert_equal_shape([logprobs, ref_logprobs])
@@ -33,7 +33,7 @@ def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = '
   if estimator == 'k2':
     return 0.5 * jnp.square(log_r)
   if estimator == 'k3':
-    log_r = jnp.clip(log_r, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_r = common.clamp_log_ratio(log_r)
     return jnp.exp(log_r) - 1.0 - log_r
   raise ValueError(f'estimator must be one of {KL_ESTIMATORS}, got {estimator!r}')
 
@@ -47,18 +47,20 @@ def masked_kl(logprobs: jax.Array, ref_logprobs: jax.Array, mask: jax.Array, est
 def entropy_from_logits(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
   """Per-token entropy `H = logsumexp(z) - sum_v softmax(z)_v z_v` of `logits [..., V]`, float32 `[...]`.
 
-  Computed on `z - max(z)` (H is shift invariant) so large logits do not cancel.
-
-  Written as two reductions over a float32 view of the logits so XLA fuses the upcast, exp and products
-  into them (no float32 `[..., V]` probability tensor beside the upcast; bf16 logits stay bf16 in memory).
+  The one entropy of sao_jax (the chunked log-probs of `sao_jax.models.logprobs` call it too). Computed on
+  `z' = z - max(z)` (H is shift invariant; the max is a constant for the gradient): with `e = exp(z')`,
+  `s = sum_v e_v`, `H = log s - sum_v e_v z'_v / s`. Shifting first matters: with z ~ 1e4,
+  `logsumexp(z) - E[z]` would cancel away float32's digits; after it `e <= 1` and `s >= 1`, so nothing
+  overflows, and the two sums read one exp of the logits (XLA fuses the upcast, exp and products into
+  the reductions: no float32 `[..., V]` probability tensor, bf16 logits stay bf16 in memory).
   Tokens outside `mask` (same shape as the leading dims) are 0; average them with `common.masked_mean`.
   """
   chex.assert_type(logits, float)
   z = logits.astype(jnp.float32)
-  # Shift by the max first: with z ~ 1e4, logsumexp(z) - E[z] would cancel away float32's digits.
   z = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
-  lse = jax.nn.logsumexp(z, axis=-1)
-  ent = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
+  e = jnp.exp(z)
+  s = jnp.sum(e, axis=-1)
+  ent = jnp.log(s) - jnp.sum(e * z, axis=-1) / s
   if mask is not None:
     chex.assert_equal_shape([ent, mask])
     ent = jnp.where(jnp.asarray(mask) != 0, ent, 0.0)

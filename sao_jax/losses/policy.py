@@ -3,8 +3,8 @@
 All inputs are `[B, T]`. `logprobs = log pi_theta(a_t | s_t)` (the only differentiable input),
 `behavior_logprobs = log pi_behavior(a_t | s_t)` recorded by the sampler, `advantages` (no gradient) and
 `mask` (action tokens). Ratios are computed in float32 from log-prob differences,
-`r_t = exp(clip(logprobs_t - ref_t, -20, 20))`, so they never overflow (a clamped token gets no gradient
-through the ratio; at e^20 it is far outside any band anyway). The loss is minimised: it is `-J`.
+`r_t = exp(clip(logprobs_t - ref_t, -20, 20))` (`common.clamp_log_ratio`), so they never overflow (a clamped
+token gets no gradient through the ratio; at e^20 it is far outside any band anyway). The loss is minimised: it is `-J`.
 
 Modes (`clip_mode`), with `A_t` the advantage and `sg` stop-gradient:
   - `double_side` (SAO): `f(r) = r` if `1 - eps_low < r < 1 + eps_high` else 0;
@@ -39,14 +39,83 @@ from jax import lax
 
 from sao_jax.losses import common
 
-CLIP_MODES = ('double_side', 'ppo', 'dual_clip', 'gspo')
-BEHAVIOR_CORRECTIONS = ('none', 'tis', 'icepop')
-LOG_RATIO_CLAMP = 20.0  # |log r| is clamped here before exp: e^20 ~ 5e8, no inf in float32.
-
 
 def safe_ratio(log_ratio: jax.Array) -> jax.Array:
-  """`exp(clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))` in float32."""
-  return jnp.exp(jnp.clip(log_ratio.astype(jnp.float32), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+  """`exp(common.clamp_log_ratio(log_ratio))` in float32: never inf."""
+  return jnp.exp(common.clamp_log_ratio(log_ratio))
+
+
+# ---- Ratios: (logp, logp_ref, mask) -> r. The clip modes' choice of ratio.
+
+
+def _token_ratio(logp, logp_ref, m):
+  del m
+  return safe_ratio(logp - logp_ref)
+
+
+def _sequence_ratio(logp, logp_ref, m):
+  """GSPO-token: `s_{b,t} = sg(s_b) * pi_t / sg(pi_t)` (value s_b, gradient s_b w.r.t. logp_t), with the
+  geometric-mean sequence ratio `s_b` over the row's action tokens (padding excluded)."""
+  seq_ratio = safe_ratio(common.masked_mean(logp - logp_ref, m, axis=1)[:, None])
+  return lax.stop_gradient(seq_ratio) * jnp.exp(logp - lax.stop_gradient(logp))
+
+
+# ---- Surrogates: (ratio, adv, logp, lo, hi, c, m) -> (per-token loss, cut_low, cut_high, extra metrics).
+
+
+def _double_side(ratio, adv, logp, lo, hi, c, m):
+  del c, m
+  r = lax.stop_gradient(ratio)
+  weight = jnp.where((r > lo) & (r < hi), r, 0.0)
+  return -weight * adv * logp, r <= lo, r >= hi, {}
+
+
+def _ppo_clip(ratio, adv, logp, lo, hi, c, m):
+  del logp, c, m
+  r = lax.stop_gradient(ratio)
+  per_token = -jnp.minimum(ratio * adv, jnp.clip(ratio, lo, hi) * adv)
+  # The clipped branch wins (and the gradient vanishes) where the ratio left the band on A's side.
+  return per_token, (r < lo) & (adv < 0), (r > hi) & (adv > 0), {}
+
+
+def _dual_clip(ratio, adv, logp, lo, hi, c, m):
+  per_token, cut_low, cut_high, _ = _ppo_clip(ratio, adv, logp, lo, hi, c, m)
+  lower_bound = -jnp.asarray(c, jnp.float32) * adv
+  dual = (adv < 0) & (per_token > lower_bound)
+  per_token = jnp.where(adv < 0, jnp.minimum(per_token, lower_bound), per_token)
+  return per_token, cut_low, cut_high, {'dual_clip_frac': common.masked_mean(dual.astype(jnp.float32), m)}
+
+
+# clip_mode -> (ratio, surrogate); the config check takes its choices from here.
+_CLIP = {
+    'double_side': (_token_ratio, _double_side),
+    'ppo': (_token_ratio, _ppo_clip),
+    'dual_clip': (_token_ratio, _dual_clip),
+    'gspo': (_sequence_ratio, _ppo_clip),
+}
+CLIP_MODES = tuple(_CLIP)
+
+# ---- Behaviour corrections of decoupled PPO: (w, tis_cap, icepop_low, icepop_high) -> (weight used, dropped).
+
+
+def _no_correction(w, cap, low, high):
+  del cap, low, high
+  return w, jnp.zeros(w.shape, bool)
+
+
+def _tis(w, cap, low, high):
+  del low, high
+  return jnp.minimum(w, jnp.asarray(cap, jnp.float32)), jnp.zeros(w.shape, bool)
+
+
+def _icepop(w, cap, low, high):
+  del cap
+  keep = (w >= low) & (w <= high)
+  return jnp.where(keep, w, 0.0), ~keep
+
+
+_BEHAVIOR = {'none': _no_correction, 'tis': _tis, 'icepop': _icepop}
+BEHAVIOR_CORRECTIONS = tuple(_BEHAVIOR)
 
 
 def policy_loss(logprobs: jax.Array, behavior_logprobs: jax.Array, advantages: jax.Array, mask: jax.Array,
@@ -109,56 +178,21 @@ def policy_loss(logprobs: jax.Array, behavior_logprobs: jax.Array, advantages: j
   lo = 1.0 - jnp.asarray(eps_low, jnp.float32)
   hi = 1.0 + jnp.asarray(eps_high, jnp.float32)
 
-  metrics = {}
-  if clip_mode == 'gspo':
-    # Geometric-mean sequence ratio over the row's action tokens (padding excluded).
-    row_log_ratio = common.masked_mean(logp - logp_ref, m, axis=1)[:, None]
-    seq_ratio = safe_ratio(row_log_ratio)
-    # s_{b,t} = sg(s_b) * pi_t / sg(pi_t): value s_b, gradient s_b w.r.t. logp_t.
-    ratio = lax.stop_gradient(seq_ratio) * jnp.exp(logp - lax.stop_gradient(logp))
-  else:
-    ratio = safe_ratio(logp - logp_ref)
+  ratio_fn, surrogate = _CLIP[clip_mode]
+  ratio = ratio_fn(logp, logp_ref, m)
   ratio_sg = lax.stop_gradient(ratio)
-
-  if clip_mode == 'double_side':
-    in_band = (ratio_sg > lo) & (ratio_sg < hi)
-    weight = jnp.where(in_band, ratio_sg, 0.0)
-    per_token = -weight * adv * logp
-    cut_low = ratio_sg <= lo
-    cut_high = ratio_sg >= hi
-  else:
-    surrogate = ratio * adv
-    clipped = jnp.clip(ratio, lo, hi) * adv
-    per_token = -jnp.minimum(surrogate, clipped)
-    # The clipped branch wins (and the gradient vanishes) where the ratio left the band on A's side.
-    cut_low = (ratio_sg < lo) & (adv < 0)
-    cut_high = (ratio_sg > hi) & (adv > 0)
-    if clip_mode == 'dual_clip':
-      c = jnp.asarray(dual_clip_c, jnp.float32)
-      lower_bound = -c * adv
-      dual = (adv < 0) & (per_token > lower_bound)
-      per_token = jnp.where(adv < 0, jnp.minimum(per_token, lower_bound), per_token)
-      metrics['dual_clip_frac'] = common.masked_mean(dual.astype(jnp.float32), m)
+  per_token, cut_low, cut_high, metrics = surrogate(ratio, adv, logp, lo, hi, dual_clip_c, m)
 
   if proximal_logprobs is not None:
-    w = safe_ratio(logp_ref - logp_behavior)
-    if behavior_correction == 'tis':
-      w_used = jnp.minimum(w, jnp.asarray(tis_cap, jnp.float32))
-      dropped = jnp.zeros_like(m)
-    elif behavior_correction == 'icepop':
-      keep = (w >= icepop_low) & (w <= icepop_high)
-      w_used = jnp.where(keep, w, 0.0)
-      dropped = ~keep
-    else:
-      w_used = w
-      dropped = jnp.zeros_like(m)
+    w_used, dropped = _BEHAVIOR[behavior_correction](safe_ratio(logp_ref - logp_behavior), tis_cap, icepop_low,
+                                                     icepop_high)
     per_token = per_token * w_used
     metrics['behavior_weight_mean'] = common.masked_mean(w_used, m)
     metrics['behavior_masked_frac'] = common.masked_mean(dropped.astype(jnp.float32), m)
 
   loss = common.aggregate(per_token, m, agg, agg_max_len)
 
-  log_ratio_behavior = jnp.clip(lax.stop_gradient(logp) - logp_behavior, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+  log_ratio_behavior = common.clamp_log_ratio(lax.stop_gradient(logp) - logp_behavior)
   k3 = jnp.exp(log_ratio_behavior) - 1.0 - log_ratio_behavior
   metrics.update(
       clip_frac_low=common.masked_mean(cut_low.astype(jnp.float32), m),

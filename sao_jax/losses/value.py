@@ -10,6 +10,18 @@ from jax import lax
 from sao_jax.losses import common
 
 
+def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array) -> jax.Array:
+  """`1 - Var_m(R - V) / Var_m(R)` over the masked tokens (population variances), float32 scalar, no gradient.
+
+  1: the values explain the returns; 0: no better than a constant (also 0 when `Var_m(R) = 0`); < 0: worse.
+  """
+  v = lax.stop_gradient(jnp.asarray(values, jnp.float32))
+  ret = lax.stop_gradient(jnp.asarray(returns, jnp.float32))
+  var_ret = common.masked_var(ret, mask)
+  var_res = common.masked_var(ret - v, mask)
+  return jnp.where(var_ret > 0, 1.0 - var_res / jnp.where(var_ret > 0, var_ret, 1.0), 0.0)
+
+
 def value_loss(values: jax.Array, returns: jax.Array, mask: jax.Array, *, old_values: jax.Array | None = None,
                clip_eps: float | jax.Array | None = None, agg: str = 'token_mean',
                agg_max_len: int = 0) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -29,8 +41,8 @@ def value_loss(values: jax.Array, returns: jax.Array, mask: jax.Array, *, old_va
     agg_max_len: divisor of `seq_mean_token_sum` (static int, 0 = T).
 
   Returns:
-    `(loss, metrics)` with float32 scalars: `explained_variance` = `1 - Var_m(R - V) / Var_m(R)` (0 when
-    Var_m(R) = 0), `value_mean`, `return_mean`, `value_error` (mean squared error), `value_clip_frac`
+    `(loss, metrics)` with float32 scalars: `explained_variance` (of `values`, see
+    `explained_variance`), `value_mean`, `return_mean`, `value_error` (mean squared error), `value_clip_frac`
     (clipped variant: fraction of tokens where the clip is active and its term the larger, i.e. no gradient).
   """
   chex.assert_rank(values, 2)
@@ -57,10 +69,8 @@ def value_loss(values: jax.Array, returns: jax.Array, mask: jax.Array, *, old_va
     per_token = 0.5 * err
   loss = common.aggregate(per_token, m, agg, agg_max_len)
   v_sg = lax.stop_gradient(v)
-  var_ret = common.masked_var(ret, m)
-  var_res = common.masked_var(ret - v_sg, m)
   metrics.update(
-      explained_variance=jnp.where(var_ret > 0, 1.0 - var_res / jnp.where(var_ret > 0, var_ret, 1.0), 0.0),
+      explained_variance=explained_variance(v_sg, ret, m),
       value_mean=common.masked_mean(v_sg, m),
       return_mean=common.masked_mean(ret, m),
       value_error=common.masked_mean(lax.stop_gradient(err), m),

@@ -18,6 +18,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from sao_jax import losses
 from sao_jax.models.llama import Decoder, project_to_vocab
 
 Array = jax.Array
@@ -40,13 +41,6 @@ def token_logprobs_from_logits(logits: Array, tokens: Array, *, temperature: flo
   return _shift_pad(lp[:, :-1])
 
 
-def entropy_from_logits(logits: Array, *, temperature: float = 1.0) -> Array:
-  """Entropy H[b, t] = logsumexp(z) - sum_v softmax(z)_v z_v of the distribution at each position (no shift)."""
-  z = logits.astype(jnp.float32) / temperature
-  lse = jax.nn.logsumexp(z, axis=-1)
-  return lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
-
-
 def logprobs_from_hidden(hidden: Array, unembedding: Array, layout: str, tokens: Array, *,
                          temperature: float = 1.0, chunk_size: int = 128,
                          return_entropy: bool = False) -> Array | tuple[Array, Array]:
@@ -59,7 +53,8 @@ def logprobs_from_hidden(hidden: Array, unembedding: Array, layout: str, tokens:
     tokens: int[B, T].
     temperature: logits are divided by it.
     chunk_size: positions per vocabulary projection (peak memory B * chunk_size * V floats).
-    return_entropy: also return entropy[b, t] of the distribution that generated token t (0 at t = 0).
+    return_entropy: also return entropy[b, t] of the distribution that generated token t (0 at t = 0),
+      `sao_jax.losses.entropy_from_logits` of the tempered logits.
 
   Returns:
     float32 [B, T] log-probs (and [B, T] entropies) with the DESIGN alignment.
@@ -87,8 +82,7 @@ def logprobs_from_hidden(hidden: Array, unembedding: Array, layout: str, tokens:
     lp = jnp.take_along_axis(z, t_c[..., None], axis=-1)[..., 0] - lse
     if not return_entropy:
       return lp, jnp.zeros_like(lp)
-    ent = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
-    return lp, ent
+    return lp, losses.entropy_from_logits(z)
 
   lp, ent = jax.lax.map(chunk, (h, tgt))
   lp = _shift_pad(lp.swapaxes(0, 1).reshape(b, -1)[:, :n])

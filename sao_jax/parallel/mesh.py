@@ -90,7 +90,8 @@ def batch_divisor(mesh: Mesh) -> int:
 def check_layout(config: Any, mesh: Mesh | Mapping[str, int], model_config: Any | None = None) -> None:
   """Refuses layouts that cannot work, naming the config fields.
 
-  Checks: `trainer.batch_size` (and `trainer.minibatch_size`) divisible by `data * fsdp`;
+  Checks: `trainer.batch_size` (and `trainer.minibatch_size`, `trainer.microbatch_size`) divisible by
+  `data * fsdp`;
   attention heads and kv heads divisible by the mesh axis their logical names map to (`tensor` by
   default) when the model config is given.
 
@@ -113,6 +114,10 @@ def check_layout(config: Any, mesh: Mesh | Mapping[str, int], model_config: Any 
     raise ConfigError(
         f'config.trainer.minibatch_size={tr.minibatch_size} is not divisible by config.mesh.data * '
         f'config.mesh.fsdp = {shards}: every minibatch is split over those axes.')
+  if tr.get('microbatch_size', 0) and tr.microbatch_size % shards:
+    raise ConfigError(
+        f'config.trainer.microbatch_size={tr.microbatch_size} is not divisible by config.mesh.data * '
+        f'config.mesh.fsdp = {shards}: every microbatch is split over those axes.')
   if model_config is None:
     return
   rules = dict(config.mesh.rules)

@@ -69,6 +69,17 @@ class EntropyTest(absltest.TestCase):
     self.assertEqual(got.dtype, jnp.float32)
     np.testing.assert_allclose(got, np.where(mask, want, 0.0), rtol=1e-4, atol=1e-5)
 
+  def test_gradient(self):
+    """dH/dz_v = -p_v (log p_v + H), the entropy bonus's gradient."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0, 2, (3, 9)).astype(np.float32)
+    logits[1] += 50.0
+    z = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+    h = -(p * np.log(p)).sum(-1, keepdims=True)
+    got = jax.jit(jax.grad(lambda x: jnp.sum(kl.entropy_from_logits(x))))(logits)
+    np.testing.assert_allclose(got, -p * (np.log(p) + h), rtol=1e-4, atol=1e-6)
+
   def test_bfloat16_logits_and_extremes(self):
     logits = jnp.array([[[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]]], jnp.bfloat16)
     got = kl.entropy_from_logits(logits)

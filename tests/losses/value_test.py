@@ -78,5 +78,18 @@ class ValueLossTest(parameterized.TestCase):
     self.assertAlmostEqual(float(metrics['explained_variance']), 1.0, places=6)
 
 
+class ExplainedVarianceTest(absltest.TestCase):
+
+  def test_matches_numpy_formula(self):
+    v, ret, _, m = _inputs(3)
+    got = jax.jit(value.explained_variance)(v, ret, m)
+    r, res = ret[m].astype(np.float64), (ret - v)[m].astype(np.float64)
+    np.testing.assert_allclose(got, 1 - res.var() / r.var(), rtol=1e-5)
+    self.assertEqual(float(value.explained_variance(v, ret, np.zeros_like(m))), 0.0)  # Empty mask.
+    np.testing.assert_allclose(value.explained_variance(ret, ret, m), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(value.explained_variance(ret + 3.0, ret, m), 1.0, rtol=1e-5)  # A constant offset.
+    np.testing.assert_allclose(value.explained_variance(np.zeros_like(ret), ret, m), 0.0, atol=1e-6)
+
+
 if __name__ == '__main__':
   absltest.main()
