@@ -45,7 +45,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a.critic_epochs = placeholder(int)  # [preset] K: critic updates per policy update, on fixed returns.
   a.critic_warmup_steps = placeholder(int)  # [preset] Learner steps that train the critic only.
   a.value_clip_eps = 0.0  # > 0 enables PPO-style value clipping (a baseline option, not SAO).
-  a.truncation = 'bootstrap'  # Trajectory cut by a length/turn limit: 'bootstrap' from V(last) or 'drop'.
+  a.truncation = 'bootstrap'  # Cut by a length/turn limit: 'bootstrap' from V(after the row's last token) or 'drop'.
   a.group_size = placeholder(int)  # [preset] Rollouts per prompt: 1 for SAO/PPO, G >= 2 for the group baselines.
   a.group_std_normalize = placeholder(bool)  # [preset] Group baselines: divide by the group's reward std (GRPO).
   a.group_baseline = placeholder(str)  # [preset] Group baselines: 'mean' (GRPO) or 'leave_one_out' (RLOO).

@@ -1,7 +1,7 @@
 """The two data types that cross part boundaries.
 
 `Trajectory` is what an episode produces on the host (numpy, one row, unpadded); `Batch` is what the
-learner consumes on devices (padded `[B, T]` arrays, a pytree). Alignment follows DESIGN.md: token t was
+learner consumes on devices (padded `[B, T]` arrays, a pytree). Alignment follows docs/design.md: token t was
 generated from the state `tokens[:t]`; `action_mask[t] = 1` exactly where the policy generated token t;
 `behavior_logprobs[t] = log pi_behavior(tokens[t] | tokens[:t])` on action tokens, 0 elsewhere, where
 pi_behavior is the distribution the sampler actually sampled from. `sao_jax.rollout` produces Trajectories and
@@ -112,7 +112,7 @@ class Batch:
     behavior_logprobs: float32 `[B, T]`, the sampler's log-prob of each action token under the distribution it
       actually sampled from (`Trajectory.behavior_logprobs`); 0 elsewhere.
     rewards: float32 `[B, T]`, the episode reward on its last action token, 0 elsewhere.
-    truncated: bool `[B]`, the episode was cut by a limit (bootstrap from the last value).
+    truncated: bool `[B]`, the episode was cut by a limit (bootstrap from V after the row's last real token).
     group_ids: int32 `[B]`, rows sharing a prompt (group baselines); -1 when unused.
     row_mask: float32 `[B]`, 0 for padding rows added to fill a bucket.
     policy_version: int32 `[B]`.

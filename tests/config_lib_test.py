@@ -24,7 +24,7 @@ from sao_jax.learner import optim as optim_lib
 from sao_jax.learner import StepConfig
 from sao_jax.models import get_model_config
 
-# Written from the papers / DESIGN.md, independently of `algo.PRESETS`: (path -> value) each name must run with.
+# Written from the papers / docs/design.md, independently of `algo.PRESETS`: (path -> value) each name must run with.
 _EXPECTED = {
     'sao': {'algo.clip_mode': 'double_side', 'algo.eps_low': 0.3, 'algo.eps_high': 5.0, 'algo.agg': 'token_mean',
             'algo.lam_critic': 1.0, 'algo.lam_policy': -1.0, 'algo.adaptive_alpha': 1.5,

@@ -1,4 +1,4 @@
-"""Sandbox for model-written Python (DESIGN.md, Conventions).
+"""Sandbox for model-written Python (docs/design.md, Security model).
 
 Isolation is chosen by name and never weakens on its own:
   * 'bwrap' (bubblewrap; the default and the only mode that contains a hostile program): `--unshare-all`

@@ -1,6 +1,6 @@
 """Advantage estimators: skip-observation GAE, length-adaptive lambda, group baselines, whitening.
 
-Token alignment follows DESIGN.md: `values[b, t]` is the value of the state in which token t was generated
+Token alignment follows docs/design.md: `values[b, t]` is the value of the state in which token t was generated
 and `action_mask[b, t]` marks the tokens the policy generated. Observation tokens (tool outputs, user turns,
 prompt, padding) are not steps of the MDP: the Bellman chain jumps over them.
 
@@ -210,13 +210,9 @@ def _gae_via_recurrences(r, v, m, gamma, lam, boot, recurrence):
 def default_gae_impl(backend: str | None = None) -> str:
   """The `impl` that 'auto' resolves to on `backend` (default: jax's default backend).
 
-  From `python -m sao_jax.benchmarks.gae` (B=64, T=32768, 30% observations, float32) on a shared 2-core Xeon
-  (jax 0.10.2, load average 7-11 from other jobs): 'blocked' 28-33 ms of CPU time per call against 28-42 ms
-  for 'scan' and 110-135 ms for 'associative' (the memory floor: 2.4-3.5 ms), and in wall time under that
-  load 30-100 ms against 60-150 ms for 'scan' (its 32768 loop iterations suffer most from preemption).
-  XLA:CPU pays per while-loop iteration and for layout changes of large arrays; 'blocked' keeps both small,
-  while the log-depth scan moves the whole array ~2 log2(T) times. On GPU / TPU the associative scan is the
-  parallel one (not measured here: no accelerator was available).
+  Why: XLA:CPU pays per while-loop iteration and for layout changes of large arrays; 'blocked' keeps both small,
+  while the log-depth scan moves the whole array ~2 log2(T) times (figures: `python -m sao_jax.benchmarks.gae`,
+  README). On GPU / TPU the associative scan is the parallel one.
   """
   backend = backend or jax.default_backend()
   return 'blocked' if backend == 'cpu' else 'associative'
@@ -226,7 +222,7 @@ def skip_observation_gae(rewards: jax.Array, values: jax.Array, action_mask: jax
                          gamma: float | jax.Array, lam: float | jax.Array,
                          bootstrap: jax.Array | None = None, impl: GaeImpl = 'auto',
                          block: int = 8, tile: int = 1024) -> tuple[jax.Array, jax.Array]:
-  """Skip-observation GAE over the action tokens of each row (DESIGN.md contract).
+  """Skip-observation GAE over the action tokens of each row (docs/design.md contract).
 
   For the action positions `i_1 < ... < i_n` of a row (observation tokens are skipped):
   `delta_k = r[i_k] + gamma V[i_{k+1}] - V[i_k]` with `V[i_{n+1}]` = bootstrap (0 when None: terminal),

@@ -7,7 +7,7 @@ An episode alternates model actions and environment observations:
 and becomes ONE token sequence: `action_mask` is True exactly on the tokens the policy generated (never on
 prompt or observation tokens), `behavior_logprobs` carries the log-probs of the distribution the sampler
 actually sampled from on those tokens (0 elsewhere), and the scalar reward sits on the last action token
-(DESIGN.md, Contracts). An episode cut by a turn or token limit is `truncated` (not terminal) and gets reward
+(docs/design.md, Contracts). An episode cut by a turn or token limit is `truncated` (not terminal) and gets reward
 0: the learner bootstraps from the value after its last token, or drops it. A final observation
 (`observation_n`) is kept only on a turn-limit cut: it opens the next assistant turn, a state the critic is
 trained on (see `sao_jax.rollout.episodes`).
@@ -61,7 +61,7 @@ def episode_to_trajectory(prompt_ids: Sequence[int], turns: Sequence[Turn], rewa
   tokens = prompt ++ a_1 ++ o_1 ++ a_2 ++ o_2 ++ ... ++ a_n (++ o_n);
   action_mask[t] = 1 iff t lies in some a_k; behavior_logprobs[t] = the sampler's log-prob there, 0 elsewhere
   (`policy_logprobs` likewise when every turn has them). `policy_version` = the oldest turn version.
-  A truncated episode gets reward 0 whatever `reward` says (a cut episode is not terminal; DESIGN.md).
+  A truncated episode gets reward 0 whatever `reward` says (a cut episode is not terminal; docs/design.md).
 
   Args:
     prompt_ids: the rendered first messages, ending with the assistant generation prompt.

@@ -1,6 +1,6 @@
 """Discrete-event simulator of the asynchronous actor-learner pipeline (pure Python + NumPy, no jax).
 
-It models the data flow of DESIGN.md at the granularity of whole episodes:
+It models the data flow of docs/design.md at the granularity of whole episodes:
 
   N actor slots ──episode (turns: decode gen tokens at `tokens_per_s`, tool call, observation)──▶
   [GRPO: group buffer until all G members are done] ──▶ bounded queue (the slot waits while it is full) ──

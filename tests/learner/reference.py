@@ -1,4 +1,4 @@
-"""An independent reference of ONE learner step (SAO and GRPO), written from the formulas of DESIGN.md.
+"""An independent reference of ONE learner step (SAO and GRPO), written from the formulas of docs/design.md.
 
 Nothing here uses the package's losses, advantages, learner or optimizer code: only the model classes
 (`Decoder` for logits, `ValueModel.backbone.hidden` for the critic's hidden states) and `jax.grad` of

@@ -32,7 +32,7 @@ def _gae(impl, block, r, v, m, *, gamma, lam=1.0, boot=None):
 
 
 def _gae_from_formula(rewards, values, mask, gamma, lam, bootstrap=None):
-  """DESIGN.md formula, literally: loop over the action positions i_1 < ... < i_n of each row (float64)."""
+  """docs/design.md formula, literally: loop over the action positions i_1 < ... < i_n of each row (float64)."""
   r, v = np.asarray(rewards, np.float64), np.asarray(values, np.float64)
   bsz = r.shape[0]
   lam = np.broadcast_to(np.asarray(lam, np.float64), (bsz,))
