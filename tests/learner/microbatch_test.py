@@ -130,6 +130,15 @@ class RowPartsTest(absltest.TestCase):
 class ObjectiveAccumulationTest(parameterized.TestCase):
   """`run_updates` with microbatches of 4 and 2 rows (2 and 4 microbatches) == all 8 rows at once."""
 
+  def _assert_microbatches_match(self, kind, cfg, data):
+    """Microbatches of 4 and 2 rows give the whole minibatch's update and metrics; returns the metrics."""
+    want, want_m = _update(kind, cfg, data, 0)
+    for size in (4, 2):
+      got, got_m = _update(kind, cfg, data, size)
+      _assert_same_update(self, got, want)
+      _assert_same_metrics(self, got_m, want_m)
+    return want_m
+
   @parameterized.named_parameters(
       ('token_mean', 'double_side', 'token_mean'),
       ('seq_mean_token_mean', 'double_side', 'seq_mean_token_mean'),
@@ -140,23 +149,13 @@ class ObjectiveAccumulationTest(parameterized.TestCase):
     # Entropy bonus and KL penalty are token means: with a row-mean `agg` they weigh differently.
     cfg = _step_config(clip_mode=clip_mode, agg=agg, eps_low=0.2, eps_high=0.2, entropy_coef=0.3,
                        kl_coef=0.5)
-    data = _policy_data()
-    want, want_m = _update('policy', cfg, data, 0)
-    for size in (4, 2):
-      got, got_m = _update('policy', cfg, data, size)
-      _assert_same_update(self, got, want)
-      _assert_same_metrics(self, got_m, want_m)
+    want_m = self._assert_microbatches_match('policy', cfg, _policy_data())
     self.assertIn('kl_ref', want_m)
     self.assertGreater(want_m['clip_frac_low'] + want_m['clip_frac_high'], 0.0)  # The band cuts tokens.
 
   def test_critic_with_value_clipping(self):
     cfg = _step_config(value_clip_eps=0.2)
-    data = _critic_data()
-    want, want_m = _update('critic', cfg, data, 0)
-    for size in (4, 2):
-      got, got_m = _update('critic', cfg, data, size)
-      _assert_same_update(self, got, want)
-      _assert_same_metrics(self, got_m, want_m)
+    want_m = self._assert_microbatches_match('critic', cfg, _critic_data())
     self.assertGreater(want_m['value_clip_frac'], 0.0)
 
   def test_local_denominators_would_be_caught(self):
