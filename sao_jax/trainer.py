@@ -346,9 +346,8 @@ def run(config: Any) -> dict[str, Any]:
         progress.line(step, row)
       if tr.checkpoint_every and step % int(tr.checkpoint_every) == 0:
         save_checkpoint(ckpt, learner, model_config, config, prompts)
-    if stop.set or (tr.checkpoint_every == 0 or step % int(tr.checkpoint_every)):
-      if step not in ckpt.all_steps() and step > start:
-        save_checkpoint(ckpt, learner, model_config, config, prompts)
+    if tr.checkpoint_every and step > start and step not in ckpt.all_steps():
+      save_checkpoint(ckpt, learner, model_config, config, prompts)  # The last step, or where a signal stopped.
   finally:
     stop.uninstall()
     queue.close()
