@@ -29,7 +29,6 @@ import time
 from typing import Any
 
 from absl import logging
-import jax
 import numpy as np
 from flax import nnx
 
