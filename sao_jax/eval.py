@@ -43,11 +43,6 @@ from sao_jax.tokenizers import Tokenizer
 # An eval run.
 
 
-def episode_seed(seed: int, problem: int, sample: int) -> int:
-  """A uint32 seed per (run seed, problem index, sample index >= -1, -1 = greedy); independent of batching."""
-  return int(np.random.SeedSequence([int(seed) % (1 << 32), problem, sample + 1]).generate_state(1)[0])
-
-
 @dataclasses.dataclass
 class EvalRun:
   """Results of `run_eval`: per-problem results (eval-set order) and the summary metrics."""
@@ -139,7 +134,7 @@ def run_eval(backend: rollout.Backend, tokenizer: Tokenizer, task, config, *, nu
       for start in range(0, len(jobs), batch_size):
         chunk = jobs[start:start + batch_size]
         envs = [task.make_env(examples[i]) for i, _ in chunk]
-        seeds = [episode_seed(seed, i, j) for i, j in chunk]
+        seeds = [rollout.episode_seed(seed, i, j) for i, j in chunk]
         out = rollout.run_episodes(backend, tokenizer, envs, limits=limits, decoding=decoding, seeds=seeds,
                                    step_timeout_s=step_timeout_s)
         for job, traj in zip(chunk, out):

@@ -17,7 +17,7 @@
 """
 
 from sao_jax.rollout.backends import Backend, ContextBackend, GenerateFn, Generation, SamplerBackend
-from sao_jax.rollout.episodes import EpisodeLimits, run_episode, run_episodes
+from sao_jax.rollout.episodes import EpisodeLimits, episode_seed, run_episode, run_episodes
 from sao_jax.rollout.layout import Turn, episode_to_trajectory, message_observation_ids, safe_decode, stop_ids_for
 from sao_jax.rollout.pack import DROP_REASONS, Packed, check_batch, pack
 from sao_jax.rollout.trajectory_queue import BatchDraw, QueueClosed, TrajectoryQueue

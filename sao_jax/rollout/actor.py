@@ -30,23 +30,17 @@ from typing import Any
 from absl import logging
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from sao_jax import types
 from sao_jax.envs.base import Example, ExampleIterator, Task
 from sao_jax.models.sampling import SamplingParams
 from sao_jax.rollout.backends import SamplerBackend
-from sao_jax.rollout.episodes import EpisodeLimits, run_episodes
+from sao_jax.rollout.episodes import EpisodeLimits, episode_seed, run_episodes
 from sao_jax.rollout.trajectory_queue import QueueClosed, TrajectoryQueue
 from sao_jax.tokenizers import Tokenizer
 
 WEIGHT_SWITCHES = ('turn', 'episode')
-
-
-def episode_seed(seed: int, prompt: int, sample: int) -> int:
-  """A uint32 sampling seed per (run seed, prompt number, sample index); independent of batching and actors."""
-  return int(np.random.SeedSequence([int(seed) % (1 << 32), int(prompt), int(sample) + 1]).generate_state(1)[0])
 
 
 class PromptSource:

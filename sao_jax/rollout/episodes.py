@@ -35,12 +35,22 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from sao_jax import types
 from sao_jax.envs.base import Env, Message, guarded_step
 from sao_jax.models.sampling import SamplingParams
 from sao_jax.rollout import layout
 from sao_jax.rollout.backends import Backend, ContextBackend, GenerateFn, Generation
 from sao_jax.tokenizers import Tokenizer
+
+
+def episode_seed(seed: int, index: int, sample: int) -> int:
+  """A uint32 sampling seed per (run seed, problem or prompt index, sample index >= -1; -1 = greedy).
+
+  It depends on nothing else (not the batch, the actor or the order of calls), so an episode is reproducible.
+  """
+  return int(np.random.SeedSequence([int(seed) % (1 << 32), int(index), int(sample) + 1]).generate_state(1)[0])
 
 
 @dataclasses.dataclass(frozen=True)
