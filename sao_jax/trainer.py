@@ -21,6 +21,7 @@ actors -> loop -> final eval and save. The pieces (docs/design.md, Data flow):
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -241,6 +242,10 @@ def run(config: Any) -> dict[str, Any]:
   else:
     sync_actor = make_actor()
   restarts = 0
+  actor_tokens = metrics_lib.RateMeter()  # Generated (action) tokens of all actors, per second.
+
+  def actors() -> list[actor_lib.Actor]:
+    return [sync_actor] if sync_actor is not None else [th.actor for th in threads]
 
   def check_actors() -> None:
     nonlocal restarts
@@ -291,32 +296,29 @@ def run(config: Any) -> dict[str, Any]:
       trajs: list = []
       staleness: list[int] = []
       wait_s = 0.0
-      dropped_pack: dict[str, int] = {}
+      dropped_pack: collections.Counter[str] = collections.Counter()
       while len(trajs) < rows:
         need = rows - len(trajs)
         if sync_actor is not None:
           tw = time.perf_counter()
           got = actor_lib.play_rows(sync_actor, need)
           wait_s += time.perf_counter() - tw
-          lag = [learner.step - t.policy_version for t in got]
         else:
           draw = queue.get_batch(need, learner.step, timeout=5.0)
           wait_s += draw.wait_s
           counts['dropped_stale'] += draw.dropped_stale
           counts['dropped_equal_reward'] += draw.dropped_equal_reward
-          got, lag = draw.trajectories, draw.staleness.tolist()
+          got = draw.trajectories
           check_actors()
-        # Unusable trajectories (env errors, unbootstrappable truncations) are dropped whole-group by pack.
-        packed = rollout.pack(got, seq_buckets=tuple(tr.seq_buckets), pad_id=tokenizer.pad_id,
-                              group_size=group_size, truncation=cfg.truncation)
-        for k, v in packed.dropped.items():
-          dropped_pack[k] = dropped_pack.get(k, 0) + v
-        keep = set(packed.kept)
-        trajs += [t for i, t in enumerate(got) if i in keep]
-        staleness += [s for i, s in enumerate(lag) if i in keep]
-      packed = rollout.pack(trajs[:rows], seq_buckets=tuple(tr.seq_buckets), pad_id=tokenizer.pad_id, rows=rows,
+        # Unusable trajectories (env errors, unbootstrappable truncations) are dropped, whole groups at a time.
+        kept, dropped = rollout.select(got, group_size=group_size, truncation=cfg.truncation)
+        dropped_pack.update(dropped)
+        trajs += [got[i] for i in kept]
+        staleness += [trajectory_queue.staleness([got[i]], learner.step) for i in kept]
+      packed = rollout.pack(trajs, seq_buckets=tuple(tr.seq_buckets), pad_id=tokenizer.pad_id, rows=rows,
                             group_size=group_size, truncation=cfg.truncation)
       counts['dropped_pack'] += sum(dropped_pack.values())
+      actor_tokens.add(sum(a.generated_tokens for a in actors()) - actor_tokens.total)
       learner_metrics = learner.update(packed.batch)
       step = learner.step
       publisher.publish(learner.policy_model(), version=step)
@@ -333,6 +335,7 @@ def run(config: Any) -> dict[str, Any]:
           'actor/failures': sum(th.failures for th in threads), 'actor/restarts': restarts,
           'learner/wait_fraction': wait_s / dt if dt > 0 else 0.0, 'perf/step_time_s': dt,
           'learner/tokens_per_s': learner_metrics.get('perf/tokens_per_s'),
+          'actor/tokens_per_s': actor_tokens.rate(),
           'learner/version': step,
       }
       if tr.eval_every and (step % int(tr.eval_every) == 0 or step == int(tr.num_steps)):

@@ -23,7 +23,6 @@ not yet handed out (prompts that were in flight or queued at the save are not re
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -167,8 +166,7 @@ class Actor:
     self.group_size = int(group_size)
     self.prompts_per_call = max(1, int(episodes_per_call) // self.group_size)
     self.step_timeout_s = step_timeout_s
-    self.generated_tokens = 0
-    self.episodes = 0
+    self.generated_tokens = 0  # Action tokens generated so far (the trainer's actor tokens/s).
 
   def play(self, num_prompts: int | None = None) -> list[list[types.Trajectory]]:
     """One call of the episode runner on `num_prompts` prompts (default: a full call); returns items (one
@@ -186,7 +184,6 @@ class Actor:
       t.info.setdefault('prompt_number', number)
       t.info.setdefault('uid', example.uid)
     self.generated_tokens += sum(t.num_action_tokens for t in trajs)
-    self.episodes += len(trajs)
     g = self.group_size
     return [trajs[i:i + g] for i in range(0, len(trajs), g)]
 
@@ -207,7 +204,6 @@ class ActorThread(threading.Thread):
     self._stop_event = threading.Event()
     self.failures = 0
     self.error: BaseException | None = None
-    self.busy_s = 0.0
 
   def stop(self) -> None:
     self._stop_event.set()
@@ -221,7 +217,6 @@ class ActorThread(threading.Thread):
           continue
       except QueueClosed:
         return
-      t0 = time.perf_counter()
       try:
         items = self.actor.play()
       except Exception as e:  # pylint: disable=broad-except  (logged, counted; the loop goes on)
@@ -235,7 +230,6 @@ class ActorThread(threading.Thread):
           return
         continue
       consecutive = 0
-      self.busy_s += time.perf_counter() - t0
       try:
         for item in items:
           self.queue.put(item, reserved=True)

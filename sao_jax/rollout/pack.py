@@ -70,6 +70,39 @@ def _check_groups(trajectories: Sequence[types.Trajectory], group_size: int) -> 
   return groups
 
 
+def select(trajectories: Sequence[types.Trajectory], *, group_size: int = 1,
+           truncation: str = 'bootstrap') -> tuple[list[int], collections.Counter[str]]:
+  """Which trajectories a batch can take: `(kept indices, reason -> dropped count)`.
+
+  A group (`group_size` consecutive trajectories) is kept whole or dropped whole: a member with an env error,
+  a truncation under `truncation='drop'`, or a truncation that cannot be bootstrapped drops its group (the
+  others count as 'group_incomplete').
+
+  Raises:
+    ValueError: a greedy (eval) trajectory, one without action tokens, or groups not contiguous / not whole.
+  """
+  if truncation not in ('bootstrap', 'drop'):
+    raise ValueError(f"truncation={truncation!r}: expected 'bootstrap' or 'drop' (config.algo.truncation).")
+  if group_size < 1:
+    raise ValueError(f'group_size={group_size} must be >= 1.')
+  for i, t in enumerate(trajectories):
+    if t.greedy:
+      raise ValueError(f'Trajectory {i} was generated greedily (temperature 0): greedy episodes are for eval '
+                       'only (their behaviour log-probs are those of a point mass).')
+    if not t.action_mask.any():
+      raise ValueError(f'Trajectory {i} has no action token: nothing to train on and nowhere to put its reward.')
+  dropped: collections.Counter[str] = collections.Counter()
+  kept: list[int] = []
+  for group in _check_groups(trajectories, group_size):
+    reasons = [_drop_reason(trajectories[i], truncation) for i in group]
+    if all(r is None for r in reasons):
+      kept += group
+      continue
+    for r in reasons:
+      dropped[r or 'group_incomplete'] += 1
+  return kept, dropped
+
+
 def pack(trajectories: Sequence[types.Trajectory], *, seq_buckets: Sequence[int], pad_id: int,
          rows: int | None = None, group_size: int = 1, truncation: str = 'bootstrap') -> Packed:
   """Packs trajectories into a learner batch (see the module docstring).
@@ -89,28 +122,10 @@ def pack(trajectories: Sequence[types.Trajectory], *, seq_buckets: Sequence[int]
     ValueError: a greedy (eval) trajectory, groups not contiguous / not whole, more kept rows than `rows`, a
       row longer than the largest bucket, a row without action tokens, or a reward off the action tokens.
   """
-  if truncation not in ('bootstrap', 'drop'):
-    raise ValueError(f"truncation={truncation!r}: expected 'bootstrap' or 'drop' (config.algo.truncation).")
-  if group_size < 1:
-    raise ValueError(f'group_size={group_size} must be >= 1.')
   buckets = sorted(int(x) for x in seq_buckets)
   if not buckets:
     raise ValueError('config.trainer.seq_buckets is empty.')
-  for i, t in enumerate(trajectories):
-    if t.greedy:
-      raise ValueError(f'Trajectory {i} was generated greedily (temperature 0): greedy episodes are for eval '
-                       'only (their behaviour log-probs are those of a point mass).')
-    if not t.action_mask.any():
-      raise ValueError(f'Trajectory {i} has no action token: nothing to train on and nowhere to put its reward.')
-  dropped: collections.Counter[str] = collections.Counter()
-  kept: list[int] = []
-  for group in _check_groups(trajectories, group_size):
-    reasons = [_drop_reason(trajectories[i], truncation) for i in group]
-    if all(r is None for r in reasons):
-      kept += group
-      continue
-    for r in reasons:
-      dropped[r or 'group_incomplete'] += 1
+  kept, dropped = select(trajectories, group_size=group_size, truncation=truncation)
   b = len(kept) if rows is None else int(rows)
   if len(kept) > b:
     raise ValueError(f'{len(kept)} trajectories to pack into {b} rows.')
