@@ -1,8 +1,8 @@
 r"""Exports a policy as an HF directory and checks that transformers loads it and answers the task the same.
 
-  python -m sao_jax.tools.hf_export_check --config=configs/smollm2_arith.py --checkpoint=WORKDIR \
+  python -m sao_jax.benchmarks.hf_export --config=configs/smollm2_arith.py --checkpoint=WORKDIR \
       --out=/tmp/smollm2-sao-hf [--limit=8]
-  python -m sao_jax.tools.hf_export_check --config=configs/smollm2_arith.py --hf_model=/tmp/smollm2-hf ...
+  python -m sao_jax.benchmarks.hf_export --config=configs/smollm2_arith.py --hf_model=/tmp/smollm2-hf ...
 
 1. loads the policy (a sao_jax checkpoint, or an HF directory) as `sao_jax.eval` does, and writes it with
    `sao_jax.models.hf_io.save_hf` (float32 safetensors, config.json, the tokenizer files of
