@@ -3,11 +3,16 @@
     python -m sao_jax.eval --config=configs/arith.py --checkpoint=DIR [--step=N]
     python -m sao_jax.eval --config=configs/calculator.py --hf_model=DIR --num_samples=8 --temperature=1.0 \
         --output=results.jsonl --limit=32
+    python -m sao_jax.eval --config=configs/smollm2_arith.py --checkpoint=DIR --eval_file=PROBLEMS.jsonl
 
 For every problem of `task.eval_set()` (the first `--limit`), it plays one greedy episode (temperature 0;
 `--nogreedy` skips it) and `--num_samples` sampled episodes, many episodes per sampler call
 (`config.sampler.batch_size` or `--batch_size`), on the one episode runner `sao_jax.rollout.run_episodes`
 (the trainer's actors use the same): multi-turn episodes go on from the sampler's KV cache.
+
+`--eval_file=PATH` scores the `{"id", "problem", "answer"}` rows of PATH (JSONL, JSON, CSV or Parquet), all of
+them, in place of the task's eval set, asked and scored by the task's own rule (`with_eval_file`: the task's
+`eval_file` option, which `arith_words` and `math` have); a malformed row stops the run with an error naming it.
 
 Scoring is `sao_jax.envs.evaluation`: greedy accuracy, avg@k = mean reward of the first k samples, and the
 unbiased pass@k = 1 - C(n-c, k) / C(n, k) for n samples of which c are correct, averaged over problems;
@@ -264,6 +269,16 @@ def load_model_and_tokenizer(config, *, checkpoint: str | None, hf_model: str | 
   return model, tokenizer
 
 
+def with_eval_file(config, path: str):
+  """A copy of `config` whose task takes its eval set from `path`, all rows (`config.task.kwargs.eval_file`,
+  `config.task.eval_size=0`); a task without an `eval_file` option fails validation naming that field."""
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    config.task.kwargs.eval_file = str(path)
+    config.task.eval_size = 0
+  return config
+
+
 def main(argv: Sequence[str]) -> None:
   from absl import app  # pylint: disable=g-import-not-at-top
   from sao_jax import config_lib  # pylint: disable=g-import-not-at-top
@@ -275,16 +290,19 @@ def main(argv: Sequence[str]) -> None:
   if bool(f['checkpoint'].value) == bool(f['hf_model'].value):
     sys.exit('FATAL pass exactly one of --checkpoint=DIR (a sao_jax checkpoint directory) or --hf_model=DIR '
              '(an HF model directory).')
+  if f['eval_file'].value:
+    config = with_eval_file(config, f['eval_file'].value)
   try:
     config_lib.validate(config)
+    task = registry.get_task(config.task)  # Before the model: a bad --eval_file row fails at once.
   except config_lib.ConfigError as e:
     sys.exit(f'FATAL bad config: {e}')
   try:
     model, tokenizer = load_model_and_tokenizer(
         config, checkpoint=f['checkpoint'].value, hf_model=f['hf_model'].value, step=f['step'].value)
   except (FileNotFoundError, ValueError, config_lib.ConfigError) as e:
+    task.close()
     sys.exit(f'FATAL cannot load the model: {e}')
-  task = registry.get_task(config.task)
   output = f['output'].value or f'eval_{task.name}.jsonl'
   try:
     run = run_eval(
@@ -322,6 +340,9 @@ def _define_flags() -> None:
   _FLAGS['batch_size'] = flags.DEFINE_integer('batch_size', 0, 'Episodes per sampler call (0 = config).')
   _FLAGS['seed'] = flags.DEFINE_integer('seed', None, 'Sampling seed (default: config.seed).')
   _FLAGS['output'] = flags.DEFINE_string('output', '', 'Per-problem JSONL (default eval_<task>.jsonl).')
+  _FLAGS['eval_file'] = flags.DEFINE_string(
+      'eval_file', None, 'Score the {"id", "problem", "answer"} rows of this file (JSONL/JSON/CSV/Parquet) in place '
+      "of the task's eval set, with the task's prompt and answer rule (tasks with an eval_file option).")
   flags.mark_flags_as_required(['config'])
 
 

@@ -16,12 +16,15 @@ from flax import nnx
 
 from configs import arith as arith_config
 from configs import calculator as calculator_config
+from configs import smollm2_arith as smollm2_arith_config
 from sao_jax import checkpoint
 from sao_jax import eval as eval_lib
 from sao_jax import rollout
 from sao_jax.envs import answers
+from sao_jax.envs import arith_words
 from sao_jax.envs import evaluation
 from sao_jax.envs import registry
+from sao_jax.errors import ConfigError
 from sao_jax.models import hf_io
 from sao_jax.models import sampler as sampler_lib
 from sao_jax.models.config import get_model_config
@@ -246,6 +249,42 @@ class EndToEndTest(absltest.TestCase):
     proc = subprocess.run(cmd, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=120)
     self.assertNotEqual(proc.returncode, 0)
     self.assertIn('exactly one of --checkpoint', proc.stderr)
+
+  def test_cli_eval_file_rows_and_a_bad_row(self):
+    tmp = tempfile.mkdtemp()
+    tok = CharTokenizer()
+    model = helpers.small_model(tok.vocab_size, seed=3)
+    with checkpoint.Checkpointer(os.path.join(tmp, 'checkpoints')) as ckpt:
+      ckpt.save(checkpoint.CheckpointState(step=1, policy=nnx.state(model),
+                                           metadata=checkpoint.policy_metadata(model.cfg)))
+    rows = [{'id': 'q1', 'problem': 'What is 12 plus 30?', 'answer': 42},
+            {'id': 2, 'problem': 'Ana has 9 pens and loses 4. How many are left?', 'answer': '5'},
+            {'id': 'q3', 'problem': 'Compute 6 * 7.', 'answer': '42'}]
+    good, bad = os.path.join(tmp, 'good.jsonl'), os.path.join(tmp, 'bad.jsonl')
+    for path, data in ((good, rows), (bad, rows[:1] + [{'id': 'q2', 'problem': 'x', 'answer': 'many'}])):
+      with open(path, 'w') as f:
+        f.writelines(json.dumps(r) + '\n' for r in data)
+    out = os.path.join(tmp, 'res.jsonl')
+    env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='')
+    cmd = [sys.executable, '-m', 'sao_jax.eval', '--config=configs/smollm2_arith.py', f'--checkpoint={tmp}',
+           '--config.model.name=tiny', '--config.model.hf_dir=', '--config.model.tokenizer=char',
+           '--config.sampler.max_new_tokens=4', '--batch_size=4', f'--output={out}']
+    proc = subprocess.run(cmd + [f'--eval_file={good}'], cwd=_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    got = evaluation.read_jsonl(out)
+    self.assertEqual([(r.uid, r.prompt, r.answer) for r in got], [
+        (f'arith_words:file:{r["id"]}', f'{r["problem"]} Answer with just the number.', str(r['answer']))
+        for r in rows])
+    for r in got:  # Scored by the task's rule: the last number of the reply.
+      self.assertEqual(r.greedy_correct, arith_words.last_number(r.greedy_response) == int(r.answer))
+    self.assertRegex(proc.stdout, r'num_problems\s*\|\s*3\n')
+
+    # What the CLI does with --eval_file before it loads a model (it exits with this error).
+    config = eval_lib.with_eval_file(smollm2_arith_config.get_config(), bad)
+    with self.assertRaisesRegex(ConfigError, rf"config\.task\.kwargs\.eval_file='{bad}': row 2: answer 'many' "
+                                'is not a number'):
+      registry.get_task(config.task)
 
   def test_hf_model_loading(self):
     tmp = tempfile.mkdtemp()

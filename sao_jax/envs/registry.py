@@ -23,6 +23,7 @@ from sao_jax.envs import base
 # Built-in tasks and the module that registers each (imported lazily, so `import sao_jax.envs` stays light).
 _BUILTIN_MODULES = {
     'arith': 'sao_jax.envs.arith',
+    'arith_words': 'sao_jax.envs.arith_words',
     'calculator': 'sao_jax.envs.calculator',
     'code': 'sao_jax.envs.code',
     'math': 'sao_jax.envs.math_task',
