@@ -95,6 +95,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   t.name = 'arith'  # Registered task: arith, calculator, code, math, drift.
   t.max_turns = 1  # Turn limit of a multi-turn episode.
   t.eval_size = 64  # Held-out examples in the eval set.
+  t.step_timeout_s = 0.0  # Wall-clock bound of one env step (0 = none): past it the episode ends as failed (counted).
   t.kwargs = ml_collections.ConfigDict()  # Task-specific options (difficulty, data files, field names).
 
   # ---- Device mesh and sharding.

@@ -183,6 +183,7 @@ FIELDS: dict[str, Check] = {
     'task.name': Check(str),
     'task.max_turns': Check(int),
     'task.eval_size': Check(int),
+    'task.step_timeout_s': _float(ge=0.0, why='0 = no bound.'),
     'task.kwargs': Check(Mapping),
     # ---- mesh (sizes: parallel.mesh_shape / make_mesh; rules: parallel.rules_dict; layout: check_layout)
     'mesh.data': Check(int),

@@ -151,6 +151,25 @@ def restore_checkpoint(ckpt: checkpoint_lib.Checkpointer, learner: Learner, conf
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Failed episodes.
+
+
+def _log_failures(trajectories: list) -> list[str]:
+  """Logs each trajectory whose env or verifier failed (`info['error']`, set by the episode runner's guarded
+  env step), with its prompt; returns one kind per failure: 'env_timeout' (a step or a verifier past its time
+  limit) or 'env_error' (anything else). Such trajectories carry no reward and `rollout.select` drops them."""
+  kinds = []
+  for t in trajectories:
+    error = t.info.get('error')
+    if error is None:
+      continue
+    kinds.append('env_timeout' if 'timeout' in str(error).split(':')[0] else 'env_error')
+    logging.warning('Episode of prompt %s (uid %s) failed, dropped: %s', t.info.get('prompt_number'),
+                    t.info.get('uid'), error)
+  return kinds
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Signals.
 
 
@@ -228,7 +247,8 @@ def run(config: Any) -> dict[str, Any]:
     backend = eval_lib.make_backend(model, tokenizer, task, config, batch_size=episodes_per_call, version=version)
     return actor_lib.Actor(backend, tokenizer, task, prompts, publisher=publisher, limits=limits,
                            decoding=decoding, seed=int(config.seed), group_size=group_size,
-                           episodes_per_call=episodes_per_call, weight_switch=str(tr.weight_switch))
+                           episodes_per_call=episodes_per_call, weight_switch=str(tr.weight_switch),
+                           step_timeout_s=float(config.task.step_timeout_s) or None)
 
   queue = trajectory_queue.TrajectoryQueue(
       int(tr.queue_size), group_size=group_size, max_staleness=int(tr.max_staleness),
@@ -280,7 +300,7 @@ def run(config: Any) -> dict[str, Any]:
   stop = _StopFlag()
   stop.install()
   rows = int(tr.batch_size)
-  counts = {'dropped_stale': 0, 'dropped_equal_reward': 0, 'dropped_pack': 0}
+  counts = {'dropped_stale': 0, 'dropped_equal_reward': 0, 'dropped_pack': 0, 'env_error': 0, 'env_timeout': 0}
   trajectories_trained = 0
   first_eval = None
   last_eval = None
@@ -312,6 +332,8 @@ def run(config: Any) -> dict[str, Any]:
           check_actors()
         # Unusable trajectories (env errors, unbootstrappable truncations) are dropped, whole groups at a time.
         kept, dropped = rollout.select(got, group_size=group_size, truncation=cfg.truncation)
+        for kind in _log_failures(got):
+          counts[kind] += 1
         dropped_pack.update(dropped)
         trajs += [got[i] for i in kept]
         staleness += [trajectory_queue.staleness([got[i]], learner.step) for i in kept]
@@ -332,6 +354,7 @@ def run(config: Any) -> dict[str, Any]:
           'dropped/stale': counts['dropped_stale'], 'dropped/equal_reward': counts['dropped_equal_reward'],
           'dropped/pack': counts['dropped_pack'],
           **{f'dropped/pack_{k}': v for k, v in dropped_pack.items()},
+          'failed/env_error': counts['env_error'], 'failed/env_timeout': counts['env_timeout'],
           'actor/failures': sum(th.failures for th in threads), 'actor/restarts': restarts,
           'learner/wait_fraction': wait_s / dt if dt > 0 else 0.0, 'perf/step_time_s': dt,
           'learner/tokens_per_s': learner_metrics.get('perf/tokens_per_s'),
@@ -359,6 +382,7 @@ def run(config: Any) -> dict[str, Any]:
       th.join(timeout=60)
     ckpt.close()
     writer.close()
+    task.close()
   if tr.export_hf and not stop.set:
     from sao_jax.models import hf_io  # pylint: disable=g-import-not-at-top
     hf_io.save_hf(learner.policy_model(), model_config, str(tr.export_hf),
