@@ -103,6 +103,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   ms.data = 1  # Size of the data-parallel axis (-1 = all remaining devices).
   ms.fsdp = -1  # Size of the fully-sharded data-parallel axis (-1 = all remaining devices).
   ms.tensor = 1  # Size of the tensor-parallel axis.
+  ms.actor_devices = 0  # Devices of each process given to the actors (their own mesh); 0 = share the learner's.
   ms.rules = (  # Logical axis name -> mesh axis (or None = replicated).
       ('batch', ('data', 'fsdp')),
       ('embed', 'fsdp'),

@@ -27,9 +27,12 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from absl import logging
+import jax
+from jax.experimental import multihost_utils
 import numpy as np
 from flax import nnx
 
@@ -41,6 +44,7 @@ from sao_jax import models
 from sao_jax import parallel
 from sao_jax import rollout
 from sao_jax.envs import registry
+from sao_jax.envs.base import Example, ExampleIterator
 from sao_jax.errors import ConfigError
 from sao_jax.learner import Learner
 from sao_jax.learner import state as state_lib
@@ -110,7 +114,7 @@ def save_checkpoint(ckpt: checkpoint_lib.Checkpointer, learner: Learner, model_c
   ckpt.save(checkpoint_lib.CheckpointState(
       step=learner.step, policy=nnx.state(learner.policy_model()),
       critic=None if critic is None else nnx.state(critic), optimizer=_optimizer_item(state),
-      data={'prompts': prompts.state()},
+      data={'prompts': prompts.state(), 'prompts_by_process': _all_process_states(prompts.state())},
       metadata=checkpoint_lib.policy_metadata(model_config, config=_flat(config), version=learner.step)),
       force=True)
 
@@ -145,9 +149,59 @@ def restore_checkpoint(ckpt: checkpoint_lib.Checkpointer, learner: Learner, conf
   if state.critic is not None:
     critic_ts = _restore_train_state(learner.critic_spec, state.critic, got.critic, got.optimizer['critic'])
   learner.state = steps_lib.LearnerState(policy=policy, critic=critic_ts, step=got.optimizer['learner_step'])
-  prompts.restore(got.data['prompts'])
+  by_process = got.data.get('prompts_by_process') or [got.data['prompts']]
+  if len(by_process) != jax.process_count():
+    raise ConfigError(f'The checkpoint of step {step} holds the data positions of {len(by_process)} process(es); '
+                      f'this run has {jax.process_count()} (config.distributed.num_processes).')
+  prompts.restore(by_process[jax.process_index()])
   logging.info('Resumed from step %d (%d prompts taken so far).', step, prompts.taken)
   return step
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Several processes.
+
+
+class ProcessShard(ExampleIterator):
+  """Process `index` of `count` takes examples `index, index + count, ...` of the task's stream: disjoint shares,
+  the same seed everywhere. Its state is the inner iterator's (always advanced by whole rounds of `count`)."""
+
+  def __init__(self, inner: ExampleIterator, index: int, count: int):
+    self._inner, self._index, self._count = inner, int(index), int(count)
+
+  def __next__(self) -> Example:
+    out = None
+    for i in range(self._count):
+      ex = next(self._inner)
+      if i == self._index:
+        out = ex
+    return out
+
+  def state(self) -> dict[str, Any]:
+    return self._inner.state()
+
+  def restore(self, state: Mapping[str, Any]) -> None:
+    self._inner.restore(state)
+
+
+def _all_process_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+  """Every process's JSON-able `state`, in process order, on every process (one small all-gather; one process:
+  `[state]`). Checkpoints keep them all: the JSON items are written by process 0 only."""
+  if jax.process_count() == 1:
+    return [state]
+  data = json.dumps(state).encode()
+  size = int(np.max(multihost_utils.process_allgather(np.int32(len(data)))))
+  buf = np.zeros((size,), np.uint8)
+  buf[:len(data)] = np.frombuffer(data, np.uint8)
+  rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(jax.process_count(), size)
+  return [json.loads(bytes(r).rstrip(b'\0').decode()) for r in rows]
+
+
+def _any_process(flag: bool) -> bool:
+  """True on every process when `flag` is set on any (a signal reaching one host stops all at the same step)."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -217,7 +271,12 @@ def run(config: Any) -> dict[str, Any]:
   # ---- Task, tokenizer, mesh, model, learner.
   task = registry.get_task(config.task)
   tokenizer = get_tokenizer(config)
-  mesh = parallel.make_mesh(config.mesh)
+  learner_devices, actor_devices = parallel.split_devices(config.mesh)
+  mesh = parallel.make_mesh(config.mesh, learner_devices)
+  actor_mesh = None if actor_devices is None else parallel.make_actor_mesh(actor_devices)
+  logging.info('Learner mesh %s on %d device(s); actors %s.', dict(mesh.shape), len(learner_devices),
+               "share the learner's mesh" if actor_mesh is None else
+               f'on their own mesh {dict(actor_mesh.shape)} (devices {[d.id for d in actor_devices]})')
   policy, model_config = models.build(config.model, mesh=mesh, rules=config.mesh.rules, seed=int(config.seed))
   if tokenizer.vocab_size > model_config.vocab_size:
     raise ConfigError(f'config.model: the tokenizer has {tokenizer.vocab_size} tokens but the model only '
@@ -225,18 +284,26 @@ def run(config: Any) -> dict[str, Any]:
   learner = Learner(config, policy=policy, mesh=mesh, model_config=model_config)
   cfg = learner.step_config
   group_size = cfg.group_size
+  if int(tr.batch_size) % (jax.process_count() * group_size):
+    raise ConfigError(f'config.trainer.batch_size={tr.batch_size}: each of the {jax.process_count()} process(es) '
+                      f'feeds its own rows in whole groups of {group_size}; it must be a multiple of '
+                      f'{jax.process_count() * group_size}.')
   logging.info('Model %s: %.1fM parameters; algorithm %s (group size %d); mode %s.', model_config.name,
                model_config.num_params() / 1e6, cfg.name, group_size, tr.mode)
 
   # ---- Checkpoint: resume when the workdir holds one.
-  prompts = actor_lib.PromptSource(task.train_iterator(int(config.seed)))
+  stream = task.train_iterator(int(config.seed))
+  if jax.process_count() > 1:
+    stream = ProcessShard(stream, jax.process_index(), jax.process_count())
+  prompts = actor_lib.PromptSource(stream)
   ckpt = checkpoint_lib.Checkpointer.from_config(config)
   start = 0
   if ckpt.latest_step() is not None:
     start = restore_checkpoint(ckpt, learner, config, prompts)
 
   # ---- Actors.
-  publisher = actor_lib.WeightPublisher()
+  publisher = actor_lib.WeightPublisher(
+      None if actor_mesh is None else lambda state: parallel.tree_shardings(state, actor_mesh, config.mesh.rules))
   publisher.publish(learner.policy_model(), version=learner.step)
   limits = rollout.EpisodeLimits.from_config(config)
   decoding = SamplingParams.from_config(config.sampler)
@@ -285,7 +352,7 @@ def run(config: Any) -> dict[str, Any]:
 
   def evaluate(step: int) -> dict[str, float]:
     nonlocal eval_backend
-    model = learner.policy_model()
+    model, _ = publisher.latest()  # On the actors' devices (this process's own, on several processes).
     if eval_backend is None:
       eval_backend = eval_lib.make_backend(model, tokenizer, task, config, version=step)
     summary = eval_lib.evaluate(model, tokenizer, task, config, backend=eval_backend, progress=False,
@@ -299,7 +366,7 @@ def run(config: Any) -> dict[str, Any]:
   progress = metrics_lib.Progress(int(tr.num_steps), start_step=start)
   stop = _StopFlag()
   stop.install()
-  rows = int(tr.batch_size)
+  rows = int(tr.batch_size) // jax.process_count()  # This process's rows of each global batch.
   counts = {'dropped_stale': 0, 'dropped_equal_reward': 0, 'dropped_pack': 0, 'env_error': 0, 'env_timeout': 0}
   trajectories_trained = 0
   first_eval = None
@@ -310,7 +377,8 @@ def run(config: Any) -> dict[str, Any]:
       first_eval = last_eval = evaluate(0)
       writer.write(0, {**first_eval, 'trajectories': 0})
       logging.info('step 0: eval accuracy %.3f', first_eval['eval_accuracy'])
-    while step < int(tr.num_steps) and not stop.set:
+    stopped = False
+    while step < int(tr.num_steps) and not (stopped := _any_process(stop.set)):
       t0 = time.perf_counter()
       # Draw a batch: rows trajectories that pass the staleness filter and pack into the batch.
       trajs: list = []
@@ -344,7 +412,7 @@ def run(config: Any) -> dict[str, Any]:
       learner_metrics = learner.update(packed.batch)
       step = learner.step
       publisher.publish(learner.policy_model(), version=step)
-      trajectories_trained += rows
+      trajectories_trained += int(tr.batch_size)
       dt = time.perf_counter() - t0
       row = {
           'reward_mean': learner_metrics.get('batch/reward_mean'),
@@ -383,14 +451,14 @@ def run(config: Any) -> dict[str, Any]:
     ckpt.close()
     writer.close()
     task.close()
-  if tr.export_hf and not stop.set:
+  if tr.export_hf and not stopped and parallel.is_main_process():
     from sao_jax.models import hf_io  # pylint: disable=g-import-not-at-top
-    hf_io.save_hf(learner.policy_model(), model_config, str(tr.export_hf),
+    hf_io.save_hf(publisher.latest()[0], model_config, str(tr.export_hf),  # The final weights, host-local.
                   tokenizer_dir=config.model.hf_dir or None)
   wall = time.perf_counter() - t_start
   summary = {'steps': step, 'trajectories': trajectories_trained, 'wall_s': wall,
              'start_accuracy': None if first_eval is None else first_eval['eval_accuracy'],
              'end_accuracy': None if last_eval is None else last_eval['eval_accuracy'],
-             'stopped_by_signal': stop.set}
+             'stopped_by_signal': stopped}
   logging.info('Run summary: %s', summary)
   return summary

@@ -28,14 +28,14 @@ def config_names() -> list[str]:
                 if not os.path.basename(f).startswith('_'))
 
 
-def _worker(out_path: str) -> None:
-  """Child process: runs every config for 2 sync steps; writes {name: result or error} as JSON."""
+def _worker(out_path: str, names: list[str] | None = None) -> None:
+  """Child process: runs every config (or `names`) for 2 sync steps; writes {name: result or error} as JSON."""
   from absl import logging  # pylint: disable=g-import-not-at-top
   from sao_jax import metrics  # pylint: disable=g-import-not-at-top
   from sao_jax import trainer  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.WARNING)
   results = {}
-  for name in config_names():
+  for name in names or config_names():
     workdir = tempfile.mkdtemp()
     t0, c0 = time.perf_counter(), time.process_time()
     try:
@@ -74,7 +74,7 @@ class AllConfigsTest(absltest.TestCase):
 
 
 if __name__ == '__main__':
-  if len(sys.argv) == 3 and sys.argv[1] == 'worker':
-    _worker(sys.argv[2])
+  if len(sys.argv) >= 3 and sys.argv[1] == 'worker':
+    _worker(sys.argv[2], sys.argv[3:])
   else:
     absltest.main()
