@@ -132,6 +132,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   tr.num_steps = 100  # Learner steps to run.
   tr.max_staleness = 4  # Drop trajectories whose params version lags the learner by more than this.
   tr.queue_size = 64  # Bound of the trajectory queue (sampler blocks when full).
+  tr.prefetch = True  # Async: draw, pack and place the next batch while the learner's update runs.
   tr.seq_buckets = (128, 256, 512, 1024)  # Packed batch lengths are padded up to one of these.
   tr.log_every = 1  # Learner steps between metric logs.
   tr.eval_every = 0  # Learner steps between evals (0 = off).

@@ -204,6 +204,7 @@ FIELDS: dict[str, Check] = {
     'trainer.num_steps': _int(ge=1),
     'trainer.max_staleness': _int(ge=0),
     'trainer.queue_size': _int(ge=1, why='The trajectory queue must hold at least one trajectory.'),
+    'trainer.prefetch': Check(bool),
     'trainer.seq_buckets': _buckets(),
     'trainer.log_every': _int(ge=1),
     'trainer.eval_every': _int(ge=0, why='0 = off.'),

@@ -197,6 +197,26 @@ def _all_process_states(state: dict[str, Any]) -> list[dict[str, Any]]:
   return [json.loads(bytes(r).rstrip(b'\0').decode()) for r in rows]
 
 
+class _DoneClock:
+  """When a dispatched learner step finished: a helper thread blocks on its outputs and notes the time, so the
+  learner's idle time (between a step's end and the next dispatch) is known while the host draws ahead."""
+
+  def __init__(self):
+    self._thread = None
+    self._t = 0.0
+
+  def watch(self, outputs: Any) -> None:
+    def wait():
+      jax.block_until_ready(outputs)
+      self._t = time.perf_counter()
+    self._thread = threading.Thread(target=wait, name='learner-done', daemon=True)
+    self._thread.start()
+
+  def done_at(self) -> float:
+    self._thread.join()
+    return self._t
+
+
 def _any_process(flag: bool) -> bool:
   """True on every process when `flag` is set on any (a signal reaching one host stops all at the same step)."""
   if jax.process_count() == 1:
@@ -377,10 +397,9 @@ def run(config: Any) -> dict[str, Any]:
       first_eval = last_eval = evaluate(0)
       writer.write(0, {**first_eval, 'trajectories': 0})
       logging.info('step 0: eval accuracy %.3f', first_eval['eval_accuracy'])
-    stopped = False
-    while step < int(tr.num_steps) and not (stopped := _any_process(stop.set)):
-      t0 = time.perf_counter()
-      # Draw a batch: rows trajectories that pass the staleness filter and pack into the batch.
+
+    def draw(version: int) -> tuple[rollout.Packed, list[int], float, collections.Counter[str]]:
+      """`rows` trajectories that pass the staleness filter (for a step at `version`), packed."""
       trajs: list = []
       staleness: list[int] = []
       wait_s = 0.0
@@ -392,11 +411,11 @@ def run(config: Any) -> dict[str, Any]:
           got = actor_lib.play_rows(sync_actor, need)
           wait_s += time.perf_counter() - tw
         else:
-          draw = queue.get_batch(need, learner.step, timeout=5.0)
-          wait_s += draw.wait_s
-          counts['dropped_stale'] += draw.dropped_stale
-          counts['dropped_equal_reward'] += draw.dropped_equal_reward
-          got = draw.trajectories
+          got_draw = queue.get_batch(need, version, timeout=5.0)
+          wait_s += got_draw.wait_s
+          counts['dropped_stale'] += got_draw.dropped_stale
+          counts['dropped_equal_reward'] += got_draw.dropped_equal_reward
+          got = got_draw.trajectories
           check_actors()
         # Unusable trajectories (env errors, unbootstrappable truncations) are dropped, whole groups at a time.
         kept, dropped = rollout.select(got, group_size=group_size, truncation=cfg.truncation)
@@ -404,16 +423,39 @@ def run(config: Any) -> dict[str, Any]:
           counts[kind] += 1
         dropped_pack.update(dropped)
         trajs += [got[i] for i in kept]
-        staleness += [trajectory_queue.staleness([got[i]], learner.step) for i in kept]
+        staleness += [trajectory_queue.staleness([got[i]], version) for i in kept]
       packed = rollout.pack(trajs, seq_buckets=tuple(tr.seq_buckets), pad_id=tokenizer.pad_id, rows=rows,
                             group_size=group_size, truncation=cfg.truncation)
       counts['dropped_pack'] += sum(dropped_pack.values())
+      return packed, staleness, wait_s, dropped_pack
+
+    # Async mode prefetches: the next batch is drawn, packed and placed while the update runs (JAX dispatch is
+    # asynchronous; nothing blocks on the step's results before that). Sync mode draws after each update: its
+    # batches come from the newest weights.
+    prefetch = sync_actor is None and bool(tr.prefetch)
+    done_clock = _DoneClock()
+    last_done = last_dispatch = time.perf_counter()
+    upcoming = None
+    stopped = False
+    while step < int(tr.num_steps) and not (stopped := _any_process(stop.set)):
+      if upcoming is None:
+        upcoming = draw(step)
+      packed, staleness, wait_s, dropped_pack = upcoming
+      upcoming = None
       actor_tokens.add(sum(a.generated_tokens for a in actors()) - actor_tokens.total)
-      learner_metrics = learner.update(packed.batch)
-      step = learner.step
+      t_dispatch = time.perf_counter()
+      idle = max(0.0, t_dispatch - last_done) / max(t_dispatch - last_dispatch, 1e-9)
+      pending = learner.dispatch(packed.batch)
+      done_clock.watch(pending)
+      step += 1  # The policy version once this update lands (host-side: reading the device step would block).
       publisher.publish(learner.policy_model(), version=step)
+      if prefetch and step < int(tr.num_steps):
+        upcoming = draw(step)
+        upcoming = (upcoming[0]._replace(batch=learner.put_batch(upcoming[0].batch)), *upcoming[1:])
+      learner_metrics = learner.collect(pending)
+      last_done = done_clock.done_at()
+      dt, last_dispatch = t_dispatch - last_dispatch, t_dispatch
       trajectories_trained += int(tr.batch_size)
-      dt = time.perf_counter() - t0
       row = {
           'reward_mean': learner_metrics.get('batch/reward_mean'),
           **{f'learner/{k}': v for k, v in learner_metrics.items()},
@@ -424,7 +466,7 @@ def run(config: Any) -> dict[str, Any]:
           **{f'dropped/pack_{k}': v for k, v in dropped_pack.items()},
           'failed/env_error': counts['env_error'], 'failed/env_timeout': counts['env_timeout'],
           'actor/failures': sum(th.failures for th in threads), 'actor/restarts': restarts,
-          'learner/wait_fraction': wait_s / dt if dt > 0 else 0.0, 'perf/step_time_s': dt,
+          'learner/wait_fraction': idle, 'queue/wait_s': wait_s, 'perf/step_time_s': dt,
           'learner/tokens_per_s': learner_metrics.get('perf/tokens_per_s'),
           'actor/tokens_per_s': actor_tokens.rate(),
           'learner/version': step,
