@@ -9,9 +9,21 @@ actors -> loop -> final eval and save. The pieces (docs/design.md, Data flow):
   KV-cache sampler, play whole episodes with the newest published weights and put finished trajectories (one,
   or one prompt's whole group) into the bounded `TrajectoryQueue`; in `'sync'` mode the loop itself plays the
   batch with the current weights, then updates (the same actor, no thread);
+- devices (`parallel.split_devices`): with `mesh.actor_devices = n > 0` the actors run on the first n local
+  devices of each process (their own tensor mesh) and the learner's data/fsdp/tensor mesh spans the rest; the
+  `WeightPublisher` reshards each new policy onto the actors' devices asynchronously (n = 0: one process shares
+  the learner's mesh);
 - the learner draws `trainer.batch_size` trajectories (stale ones dropped and counted by the queue), packs them
   (`rollout.pack`: bucketed lengths, unbootstrappable truncations dropped and counted) and runs one jitted
-  update; the policy version is the learner step; the new weights are published after every update;
+  update; the policy version is the learner step; the new weights are published after every update. In async
+  mode the next batch is drawn, packed and placed on the learner's batch sharding while the update runs
+  (`trainer.prefetch`); `learner/wait_fraction` is the share of time no update was running (from when each
+  update finished to the next dispatch);
+- episodes whose env or verifier failed or timed out are logged with their prompt, dropped and counted
+  (`failed/env_error`, `failed/env_timeout`);
+- several processes (`parallel.initialize` before `run`): every process runs the same loop, its actors on its
+  local devices, on its own share of the prompt stream (`ProcessShard`), feeding its `batch_size / P` rows of
+  every global batch; all take the same steps (a signal on any process stops all at the same step);
 - every `trainer.checkpoint_every` steps and at the end: learner state, data position and the run's config
   (`checkpoint.Checkpointer`); a workdir that holds a checkpoint resumes from it (a changed config is refused
   with the differing fields named unless `trainer.allow_config_change`);
