@@ -458,7 +458,7 @@ def run(config: Any) -> dict[str, Any]:
       t_dispatch = time.perf_counter()
       idle = max(0.0, t_dispatch - last_done) / max(t_dispatch - last_dispatch, 1e-9)
       pending = learner.dispatch(packed.batch)
-      done_clock.watch(pending)
+      done_clock.watch(pending[2:])  # The step's metrics and counters (ready when it has run).
       step += 1  # The policy version once this update lands (host-side: reading the device step would block).
       publisher.publish(learner.policy_model(), version=step)
       if prefetch and step < int(tr.num_steps):
