@@ -68,7 +68,8 @@ from sao_jax.tokenizers import get_tokenizer
 
 # Config fields that may differ between a run and the checkpoint it resumes from.
 RESUMABLE_CHANGES = ('workdir', 'trainer.num_steps', 'trainer.allow_config_change', 'trainer.log_every',
-                     'trainer.eval_every', 'trainer.checkpoint_every', 'trainer.export_hf')
+                     'trainer.eval_every', 'trainer.checkpoint_every', 'trainer.export_hf',
+                     'distributed.coordinator_address', 'distributed.process_id')  # Per process / per launch.
 
 
 # ------------------------------------------------------------------------------------------------------------
