@@ -34,11 +34,11 @@ def _worker(port: str, process_id: str, out: str) -> None:
   assert jax.process_count() == 2 and jax.device_count() == 8, (jax.process_count(), jax.device_count())
   first = trainer.run(config(2))
   second = trainer.run(config(3))  # The same command with one more step: resumes at step 2.
+  workdir = os.path.join(out, 'work')
+  with checkpoint_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), keep=None) as ckpt:  # Every process.
+    steps = ckpt.all_steps()
+    data = ckpt.restore(3, items=('data',)).data
   if jax.process_index() == 0:
-    workdir = os.path.join(out, 'work')
-    with checkpoint_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), keep=None) as ckpt:
-      steps = ckpt.all_steps()
-      data = ckpt.restore(3, items=('data',)).data
     with open(os.path.join(out, 'result.json'), 'w') as f:
       json.dump({'first': first['steps'], 'second': second['steps'], 'checkpoints': steps,
                  'rows': [r['step'] for r in metrics.read_metrics(workdir)],
