@@ -95,6 +95,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   t.name = 'arith'  # Registered task: arith, calculator, code, math, drift.
   t.max_turns = 1  # Turn limit of a multi-turn episode.
   t.eval_size = 64  # Held-out examples in the eval set.
+  t.step_timeout_s = 0.0  # Wall-clock bound of one env step (0 = none): past it the episode ends as failed (counted).
   t.kwargs = ml_collections.ConfigDict()  # Task-specific options (difficulty, data files, field names).
 
   # ---- Device mesh and sharding.
@@ -102,6 +103,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   ms.data = 1  # Size of the data-parallel axis (-1 = all remaining devices).
   ms.fsdp = -1  # Size of the fully-sharded data-parallel axis (-1 = all remaining devices).
   ms.tensor = 1  # Size of the tensor-parallel axis.
+  ms.actor_devices = 0  # Devices of each process given to the actors (their own mesh); 0 = share the learner's.
   ms.rules = (  # Logical axis name -> mesh axis (or None = replicated).
       ('batch', ('data', 'fsdp')),
       ('embed', 'fsdp'),
@@ -130,6 +132,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   tr.num_steps = 100  # Learner steps to run.
   tr.max_staleness = 4  # Drop trajectories whose params version lags the learner by more than this.
   tr.queue_size = 64  # Bound of the trajectory queue (sampler blocks when full).
+  tr.prefetch = True  # Async: draw, pack and place the next batch while the learner's update runs.
   tr.seq_buckets = (128, 256, 512, 1024)  # Packed batch lengths are padded up to one of these.
   tr.log_every = 1  # Learner steps between metric logs.
   tr.eval_every = 0  # Learner steps between evals (0 = off).

@@ -183,12 +183,14 @@ FIELDS: dict[str, Check] = {
     'task.name': Check(str),
     'task.max_turns': Check(int),
     'task.eval_size': Check(int),
+    'task.step_timeout_s': _float(ge=0.0, why='0 = no bound.'),
     'task.kwargs': Check(Mapping),
     # ---- mesh (sizes: parallel.mesh_shape / make_mesh; rules: parallel.rules_dict; layout: check_layout)
     'mesh.data': Check(int),
     'mesh.fsdp': Check(int),
     'mesh.tensor': Check(int),
     'mesh.rules': Check(tuple),
+    'mesh.actor_devices': _int(ge=0, why='0 = the actors share the learner\'s devices.'),  # parallel.split_devices
     # ---- distributed (distributed.check_config)
     'distributed.coordinator_address': Check(str),
     'distributed.num_processes': Check(int),
@@ -202,6 +204,7 @@ FIELDS: dict[str, Check] = {
     'trainer.num_steps': _int(ge=1),
     'trainer.max_staleness': _int(ge=0),
     'trainer.queue_size': _int(ge=1, why='The trajectory queue must hold at least one trajectory.'),
+    'trainer.prefetch': Check(bool),
     'trainer.seq_buckets': _buckets(),
     'trainer.log_every': _int(ge=1),
     'trainer.eval_every': _int(ge=0, why='0 = off.'),
@@ -303,10 +306,16 @@ def _check_mesh(config: ml_collections.ConfigDict, model_cfg: Any, devices: Sequ
   `num_processes * local devices`) and checks the rules and the layout on it."""
   num = distributed.num_processes(config)
   if devices is None and num != jax.process_count():
-    shape = dict(zip(parallel.MESH_AXES, parallel.mesh_shape(config.mesh, num * jax.local_device_count())))
+    local = jax.local_device_count() - parallel.actor_device_count(config.mesh)
+    if local < 1:
+      raise ConfigError(f'config.mesh.actor_devices={parallel.actor_device_count(config.mesh)}: leaves no learner '
+                        f'device of the {jax.local_device_count()} of each process.')
+    shape = dict(zip(parallel.MESH_AXES, parallel.mesh_shape(config.mesh, num * local)))
     parallel.rules_dict(config.mesh.rules)
     parallel.check_layout(config, shape, model_cfg)
     return
+  if devices is None:
+    devices, _ = parallel.split_devices(config.mesh)  # The learner's share (config.mesh.actor_devices).
   mesh = parallel.make_mesh(config.mesh, devices)
   parallel.rules_dict(config.mesh.rules, mesh)
   parallel.check_layout(config, mesh, model_cfg)

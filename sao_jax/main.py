@@ -2,7 +2,7 @@
 
 Only parses flags, checks the config (`config_lib.validate`: the algorithm's preset filled in, every field, the
 task, the learner, the optimizer, checkpoints and the mesh on the devices present) and hands it to the trainer.
-`--dry_run` prints the resolved, validated config and exits.
+`--dry_run` prints the resolved, validated config and the learner's and actors' meshes, and exits.
 """
 
 import sys
@@ -42,9 +42,24 @@ def main(argv):
     sys.exit(f'FATAL bad config: {e}')
   if _DRY_RUN.value:
     print(config)
+    print(mesh_summary(config))
     return
   logging.info('Config:\n%s', config)
   trainer.run(config)
+
+
+def mesh_summary(config) -> str:
+  """The learner's and the actors' meshes on the devices present (`config.mesh`, `config.mesh.actor_devices`)."""
+  learner_devices, actor_devices = parallel.split_devices(config.mesh)
+  mesh = parallel.make_mesh(config.mesh, learner_devices)
+  lines = [f'learner mesh: {dict(mesh.shape)} over {len(learner_devices)} device(s) {[d.id for d in learner_devices]}']
+  if actor_devices is None:
+    lines.append("actor mesh: the learner's (shared by reference)")
+  else:
+    actor = parallel.make_actor_mesh(actor_devices)
+    lines.append(f'actor mesh: {dict(actor.shape)} over {len(actor_devices)} device(s) '
+                 f'{[d.id for d in actor_devices]} of this process')
+  return '\n'.join(lines)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

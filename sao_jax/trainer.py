@@ -9,9 +9,21 @@ actors -> loop -> final eval and save. The pieces (docs/design.md, Data flow):
   KV-cache sampler, play whole episodes with the newest published weights and put finished trajectories (one,
   or one prompt's whole group) into the bounded `TrajectoryQueue`; in `'sync'` mode the loop itself plays the
   batch with the current weights, then updates (the same actor, no thread);
+- devices (`parallel.split_devices`): with `mesh.actor_devices = n > 0` the actors run on the first n local
+  devices of each process (their own tensor mesh) and the learner's data/fsdp/tensor mesh spans the rest; the
+  `WeightPublisher` reshards each new policy onto the actors' devices asynchronously (n = 0: one process shares
+  the learner's mesh);
 - the learner draws `trainer.batch_size` trajectories (stale ones dropped and counted by the queue), packs them
   (`rollout.pack`: bucketed lengths, unbootstrappable truncations dropped and counted) and runs one jitted
-  update; the policy version is the learner step; the new weights are published after every update;
+  update; the policy version is the learner step; the new weights are published after every update. In async
+  mode the next batch is drawn, packed and placed on the learner's batch sharding while the update runs
+  (`trainer.prefetch`); `learner/wait_fraction` is the share of time no update was running (from when each
+  update finished to the next dispatch);
+- episodes whose env or verifier failed or timed out are logged with their prompt, dropped and counted
+  (`failed/env_error`, `failed/env_timeout`);
+- several processes (`parallel.initialize` before `run`): every process runs the same loop, its actors on its
+  local devices, on its own share of the prompt stream (`ProcessShard`), feeding its `batch_size / P` rows of
+  every global batch; all take the same steps (a signal on any process stops all at the same step);
 - every `trainer.checkpoint_every` steps and at the end: learner state, data position and the run's config
   (`checkpoint.Checkpointer`); a workdir that holds a checkpoint resumes from it (a changed config is refused
   with the differing fields named unless `trainer.allow_config_change`);
@@ -27,9 +39,12 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from absl import logging
+import jax
+from jax.experimental import multihost_utils
 import numpy as np
 from flax import nnx
 
@@ -41,6 +56,7 @@ from sao_jax import models
 from sao_jax import parallel
 from sao_jax import rollout
 from sao_jax.envs import registry
+from sao_jax.envs.base import Example, ExampleIterator
 from sao_jax.errors import ConfigError
 from sao_jax.learner import Learner
 from sao_jax.learner import state as state_lib
@@ -52,7 +68,8 @@ from sao_jax.tokenizers import get_tokenizer
 
 # Config fields that may differ between a run and the checkpoint it resumes from.
 RESUMABLE_CHANGES = ('workdir', 'trainer.num_steps', 'trainer.allow_config_change', 'trainer.log_every',
-                     'trainer.eval_every', 'trainer.checkpoint_every', 'trainer.export_hf')
+                     'trainer.eval_every', 'trainer.checkpoint_every', 'trainer.export_hf',
+                     'distributed.coordinator_address', 'distributed.process_id')  # Per process / per launch.
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -110,7 +127,7 @@ def save_checkpoint(ckpt: checkpoint_lib.Checkpointer, learner: Learner, model_c
   ckpt.save(checkpoint_lib.CheckpointState(
       step=learner.step, policy=nnx.state(learner.policy_model()),
       critic=None if critic is None else nnx.state(critic), optimizer=_optimizer_item(state),
-      data={'prompts': prompts.state()},
+      data={'prompts': prompts.state(), 'prompts_by_process': _all_process_states(prompts.state())},
       metadata=checkpoint_lib.policy_metadata(model_config, config=_flat(config), version=learner.step)),
       force=True)
 
@@ -145,9 +162,98 @@ def restore_checkpoint(ckpt: checkpoint_lib.Checkpointer, learner: Learner, conf
   if state.critic is not None:
     critic_ts = _restore_train_state(learner.critic_spec, state.critic, got.critic, got.optimizer['critic'])
   learner.state = steps_lib.LearnerState(policy=policy, critic=critic_ts, step=got.optimizer['learner_step'])
-  prompts.restore(got.data['prompts'])
+  by_process = got.data.get('prompts_by_process') or [got.data['prompts']]
+  if len(by_process) != jax.process_count():
+    raise ConfigError(f'The checkpoint of step {step} holds the data positions of {len(by_process)} process(es); '
+                      f'this run has {jax.process_count()} (config.distributed.num_processes).')
+  prompts.restore(by_process[jax.process_index()])
   logging.info('Resumed from step %d (%d prompts taken so far).', step, prompts.taken)
   return step
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Several processes.
+
+
+class ProcessShard(ExampleIterator):
+  """Process `index` of `count` takes examples `index, index + count, ...` of the task's stream: disjoint shares,
+  the same seed everywhere. Its state is the inner iterator's (always advanced by whole rounds of `count`)."""
+
+  def __init__(self, inner: ExampleIterator, index: int, count: int):
+    self._inner, self._index, self._count = inner, int(index), int(count)
+
+  def __next__(self) -> Example:
+    out = None
+    for i in range(self._count):
+      ex = next(self._inner)
+      if i == self._index:
+        out = ex
+    return out
+
+  def state(self) -> dict[str, Any]:
+    return self._inner.state()
+
+  def restore(self, state: Mapping[str, Any]) -> None:
+    self._inner.restore(state)
+
+
+def _all_process_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+  """Every process's JSON-able `state`, in process order, on every process (one small all-gather; one process:
+  `[state]`). Checkpoints keep them all: the JSON items are written by process 0 only."""
+  if jax.process_count() == 1:
+    return [state]
+  data = json.dumps(state).encode()
+  size = int(np.max(multihost_utils.process_allgather(np.int32(len(data)))))
+  buf = np.zeros((size,), np.uint8)
+  buf[:len(data)] = np.frombuffer(data, np.uint8)
+  rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(jax.process_count(), size)
+  return [json.loads(bytes(r).rstrip(b'\0').decode()) for r in rows]
+
+
+class _DoneClock:
+  """When a dispatched learner step finished: a helper thread blocks on its outputs and notes the time, so the
+  learner's idle time (between a step's end and the next dispatch) is known while the host draws ahead."""
+
+  def __init__(self):
+    self._thread = None
+    self._t = 0.0
+
+  def watch(self, outputs: Any) -> None:
+    def wait():
+      jax.block_until_ready(outputs)
+      self._t = time.perf_counter()
+    self._thread = threading.Thread(target=wait, name='learner-done', daemon=True)
+    self._thread.start()
+
+  def done_at(self) -> float:
+    self._thread.join()
+    return self._t
+
+
+def _any_process(flag: bool) -> bool:
+  """True on every process when `flag` is set on any (a signal reaching one host stops all at the same step)."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Failed episodes.
+
+
+def _log_failures(trajectories: list) -> list[str]:
+  """Logs each trajectory whose env or verifier failed (`info['error']`, set by the episode runner's guarded
+  env step), with its prompt; returns one kind per failure: 'env_timeout' (a step or a verifier past its time
+  limit) or 'env_error' (anything else). Such trajectories carry no reward and `rollout.select` drops them."""
+  kinds = []
+  for t in trajectories:
+    error = t.info.get('error')
+    if error is None:
+      continue
+    kinds.append('env_timeout' if 'timeout' in str(error).split(':')[0] else 'env_error')
+    logging.warning('Episode of prompt %s (uid %s) failed, dropped: %s', t.info.get('prompt_number'),
+                    t.info.get('uid'), error)
+  return kinds
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -198,7 +304,12 @@ def run(config: Any) -> dict[str, Any]:
   # ---- Task, tokenizer, mesh, model, learner.
   task = registry.get_task(config.task)
   tokenizer = get_tokenizer(config)
-  mesh = parallel.make_mesh(config.mesh)
+  learner_devices, actor_devices = parallel.split_devices(config.mesh)
+  mesh = parallel.make_mesh(config.mesh, learner_devices)
+  actor_mesh = None if actor_devices is None else parallel.make_actor_mesh(actor_devices)
+  logging.info('Learner mesh %s on %d device(s); actors %s.', dict(mesh.shape), len(learner_devices),
+               "share the learner's mesh" if actor_mesh is None else
+               f'on their own mesh {dict(actor_mesh.shape)} (devices {[d.id for d in actor_devices]})')
   policy, model_config = models.build(config.model, mesh=mesh, rules=config.mesh.rules, seed=int(config.seed))
   if tokenizer.vocab_size > model_config.vocab_size:
     raise ConfigError(f'config.model: the tokenizer has {tokenizer.vocab_size} tokens but the model only '
@@ -206,18 +317,26 @@ def run(config: Any) -> dict[str, Any]:
   learner = Learner(config, policy=policy, mesh=mesh, model_config=model_config)
   cfg = learner.step_config
   group_size = cfg.group_size
+  if int(tr.batch_size) % (jax.process_count() * group_size):
+    raise ConfigError(f'config.trainer.batch_size={tr.batch_size}: each of the {jax.process_count()} process(es) '
+                      f'feeds its own rows in whole groups of {group_size}; it must be a multiple of '
+                      f'{jax.process_count() * group_size}.')
   logging.info('Model %s: %.1fM parameters; algorithm %s (group size %d); mode %s.', model_config.name,
                model_config.num_params() / 1e6, cfg.name, group_size, tr.mode)
 
   # ---- Checkpoint: resume when the workdir holds one.
-  prompts = actor_lib.PromptSource(task.train_iterator(int(config.seed)))
+  stream = task.train_iterator(int(config.seed))
+  if jax.process_count() > 1:
+    stream = ProcessShard(stream, jax.process_index(), jax.process_count())
+  prompts = actor_lib.PromptSource(stream)
   ckpt = checkpoint_lib.Checkpointer.from_config(config)
   start = 0
   if ckpt.latest_step() is not None:
     start = restore_checkpoint(ckpt, learner, config, prompts)
 
   # ---- Actors.
-  publisher = actor_lib.WeightPublisher()
+  publisher = actor_lib.WeightPublisher(
+      None if actor_mesh is None else lambda state: parallel.tree_shardings(state, actor_mesh, config.mesh.rules))
   publisher.publish(learner.policy_model(), version=learner.step)
   limits = rollout.EpisodeLimits.from_config(config)
   decoding = SamplingParams.from_config(config.sampler)
@@ -228,7 +347,8 @@ def run(config: Any) -> dict[str, Any]:
     backend = eval_lib.make_backend(model, tokenizer, task, config, batch_size=episodes_per_call, version=version)
     return actor_lib.Actor(backend, tokenizer, task, prompts, publisher=publisher, limits=limits,
                            decoding=decoding, seed=int(config.seed), group_size=group_size,
-                           episodes_per_call=episodes_per_call, weight_switch=str(tr.weight_switch))
+                           episodes_per_call=episodes_per_call, weight_switch=str(tr.weight_switch),
+                           step_timeout_s=float(config.task.step_timeout_s) or None)
 
   queue = trajectory_queue.TrajectoryQueue(
       int(tr.queue_size), group_size=group_size, max_staleness=int(tr.max_staleness),
@@ -265,7 +385,7 @@ def run(config: Any) -> dict[str, Any]:
 
   def evaluate(step: int) -> dict[str, float]:
     nonlocal eval_backend
-    model = learner.policy_model()
+    model, _ = publisher.latest()  # On the actors' devices (this process's own, on several processes).
     if eval_backend is None:
       eval_backend = eval_lib.make_backend(model, tokenizer, task, config, version=step)
     summary = eval_lib.evaluate(model, tokenizer, task, config, backend=eval_backend, progress=False,
@@ -279,8 +399,8 @@ def run(config: Any) -> dict[str, Any]:
   progress = metrics_lib.Progress(int(tr.num_steps), start_step=start)
   stop = _StopFlag()
   stop.install()
-  rows = int(tr.batch_size)
-  counts = {'dropped_stale': 0, 'dropped_equal_reward': 0, 'dropped_pack': 0}
+  rows = int(tr.batch_size) // jax.process_count()  # This process's rows of each global batch.
+  counts = {'dropped_stale': 0, 'dropped_equal_reward': 0, 'dropped_pack': 0, 'env_error': 0, 'env_timeout': 0}
   trajectories_trained = 0
   first_eval = None
   last_eval = None
@@ -290,9 +410,9 @@ def run(config: Any) -> dict[str, Any]:
       first_eval = last_eval = evaluate(0)
       writer.write(0, {**first_eval, 'trajectories': 0})
       logging.info('step 0: eval accuracy %.3f', first_eval['eval_accuracy'])
-    while step < int(tr.num_steps) and not stop.set:
-      t0 = time.perf_counter()
-      # Draw a batch: rows trajectories that pass the staleness filter and pack into the batch.
+
+    def draw(version: int) -> tuple[rollout.Packed, list[int], float, collections.Counter[str]]:
+      """`rows` trajectories that pass the staleness filter (for a step at `version`), packed."""
       trajs: list = []
       staleness: list[int] = []
       wait_s = 0.0
@@ -304,26 +424,51 @@ def run(config: Any) -> dict[str, Any]:
           got = actor_lib.play_rows(sync_actor, need)
           wait_s += time.perf_counter() - tw
         else:
-          draw = queue.get_batch(need, learner.step, timeout=5.0)
-          wait_s += draw.wait_s
-          counts['dropped_stale'] += draw.dropped_stale
-          counts['dropped_equal_reward'] += draw.dropped_equal_reward
-          got = draw.trajectories
+          got_draw = queue.get_batch(need, version, timeout=5.0)
+          wait_s += got_draw.wait_s
+          counts['dropped_stale'] += got_draw.dropped_stale
+          counts['dropped_equal_reward'] += got_draw.dropped_equal_reward
+          got = got_draw.trajectories
           check_actors()
         # Unusable trajectories (env errors, unbootstrappable truncations) are dropped, whole groups at a time.
         kept, dropped = rollout.select(got, group_size=group_size, truncation=cfg.truncation)
+        for kind in _log_failures(got):
+          counts[kind] += 1
         dropped_pack.update(dropped)
         trajs += [got[i] for i in kept]
-        staleness += [trajectory_queue.staleness([got[i]], learner.step) for i in kept]
+        staleness += [trajectory_queue.staleness([got[i]], version) for i in kept]
       packed = rollout.pack(trajs, seq_buckets=tuple(tr.seq_buckets), pad_id=tokenizer.pad_id, rows=rows,
                             group_size=group_size, truncation=cfg.truncation)
       counts['dropped_pack'] += sum(dropped_pack.values())
+      return packed, staleness, wait_s, dropped_pack
+
+    # Async mode prefetches: the next batch is drawn, packed and placed while the update runs (JAX dispatch is
+    # asynchronous; nothing blocks on the step's results before that). Sync mode draws after each update: its
+    # batches come from the newest weights.
+    prefetch = sync_actor is None and bool(tr.prefetch)
+    done_clock = _DoneClock()
+    last_done = last_dispatch = time.perf_counter()
+    upcoming = None
+    stopped = False
+    while step < int(tr.num_steps) and not (stopped := _any_process(stop.set)):
+      if upcoming is None:
+        upcoming = draw(step)
+      packed, staleness, wait_s, dropped_pack = upcoming
+      upcoming = None
       actor_tokens.add(sum(a.generated_tokens for a in actors()) - actor_tokens.total)
-      learner_metrics = learner.update(packed.batch)
-      step = learner.step
+      t_dispatch = time.perf_counter()
+      idle = max(0.0, t_dispatch - last_done) / max(t_dispatch - last_dispatch, 1e-9)
+      pending = learner.dispatch(packed.batch)
+      done_clock.watch(pending[2:])  # The step's metrics and counters (ready when it has run).
+      step += 1  # The policy version once this update lands (host-side: reading the device step would block).
       publisher.publish(learner.policy_model(), version=step)
-      trajectories_trained += rows
-      dt = time.perf_counter() - t0
+      if prefetch and step < int(tr.num_steps):
+        upcoming = draw(step)
+        upcoming = (upcoming[0]._replace(batch=learner.put_batch(upcoming[0].batch)), *upcoming[1:])
+      learner_metrics = learner.collect(pending)
+      last_done = done_clock.done_at()
+      dt, last_dispatch = t_dispatch - last_dispatch, t_dispatch
+      trajectories_trained += int(tr.batch_size)
       row = {
           'reward_mean': learner_metrics.get('batch/reward_mean'),
           **{f'learner/{k}': v for k, v in learner_metrics.items()},
@@ -332,8 +477,9 @@ def run(config: Any) -> dict[str, Any]:
           'dropped/stale': counts['dropped_stale'], 'dropped/equal_reward': counts['dropped_equal_reward'],
           'dropped/pack': counts['dropped_pack'],
           **{f'dropped/pack_{k}': v for k, v in dropped_pack.items()},
+          'failed/env_error': counts['env_error'], 'failed/env_timeout': counts['env_timeout'],
           'actor/failures': sum(th.failures for th in threads), 'actor/restarts': restarts,
-          'learner/wait_fraction': wait_s / dt if dt > 0 else 0.0, 'perf/step_time_s': dt,
+          'learner/wait_fraction': idle, 'queue/wait_s': wait_s, 'perf/step_time_s': dt,
           'learner/tokens_per_s': learner_metrics.get('perf/tokens_per_s'),
           'actor/tokens_per_s': actor_tokens.rate(),
           'learner/version': step,
@@ -359,14 +505,15 @@ def run(config: Any) -> dict[str, Any]:
       th.join(timeout=60)
     ckpt.close()
     writer.close()
-  if tr.export_hf and not stop.set:
+    task.close()
+  if tr.export_hf and not stopped and parallel.is_main_process():
     from sao_jax.models import hf_io  # pylint: disable=g-import-not-at-top
-    hf_io.save_hf(learner.policy_model(), model_config, str(tr.export_hf),
+    hf_io.save_hf(publisher.latest()[0], model_config, str(tr.export_hf),  # The final weights, host-local.
                   tokenizer_dir=config.model.hf_dir or None)
   wall = time.perf_counter() - t_start
   summary = {'steps': step, 'trajectories': trajectories_trained, 'wall_s': wall,
              'start_accuracy': None if first_eval is None else first_eval['eval_accuracy'],
              'end_accuracy': None if last_eval is None else last_eval['eval_accuracy'],
-             'stopped_by_signal': stop.set}
+             'stopped_by_signal': stopped}
   logging.info('Run summary: %s', summary)
   return summary

@@ -68,6 +68,18 @@ class MainTest(parameterized.TestCase):
     out = _main('--config=configs/base.py', '--config.mesh.fsdp=4', '--config.mesh.data=2', self.workdir,
                 '--dry_run', devices=8)
     self.assertEqual(out.returncode, 0, out.stderr)
+    self.assertIn("learner mesh: {'data': 2, 'fsdp': 4, 'tensor': 1} over 8 device(s)", out.stdout)
+    self.assertIn("actor mesh: the learner's (shared by reference)", out.stdout)
+    out = _main('--config=configs/base.py', '--config.mesh.actor_devices=2', '--config.trainer.batch_size=12',
+                self.workdir, '--dry_run', devices=8)
+    self.assertEqual(out.returncode, 0, out.stderr)
+    self.assertIn("learner mesh: {'data': 1, 'fsdp': 6, 'tensor': 1} over 6 device(s) [2, 3, 4, 5, 6, 7]",
+                  out.stdout)
+    self.assertIn("actor mesh: {'data': 1, 'fsdp': 1, 'tensor': 2} over 2 device(s) [0, 1]", out.stdout)
+    out = _main('--config=configs/base.py', '--config.mesh.actor_devices=2', self.workdir, '--dry_run', devices=8)
+    self.assertNotEqual(out.returncode, 0)
+    self.assertIn('config.trainer.batch_size=16 is not divisible by config.mesh.data * config.mesh.fsdp = 1 * 6',
+                  out.stderr)
 
   def test_dry_run_needs_a_workdir_when_the_run_checkpoints(self):
     out = _main('--config=configs/base.py', '--dry_run')

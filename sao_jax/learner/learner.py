@@ -137,11 +137,13 @@ class Learner:
 
     One process: `batch` is the whole batch. Several processes: `batch` holds this process's rows
     (`parallel.local_row_range`) and the global batch is assembled without any host seeing all of it.
-    Arrays that already are global `jax.Array`s are passed through.
+    A batch already placed (global arrays, or arrays on the learner's batch sharding) is passed through.
     """
     leaves = jax.tree.leaves(batch)
-    if all(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
-      return batch
+    if isinstance(batch, Batch) and all(
+        isinstance(x, jax.Array) and (not x.is_fully_addressable or x.sharding.is_equivalent_to(sh, x.ndim))
+        for x, sh in zip(leaves, jax.tree.leaves(self._batch_shardings))):
+      return batch  # Already placed (e.g. by an earlier put_batch while the previous step ran).
     local = Batch.of_host(batch)
     parallel.sharding.check_batch_rows(local.tokens.shape[0] * jax.process_count(), self.mesh,
                                        'batch rows (config.trainer.batch_size)')
@@ -160,18 +162,26 @@ class Learner:
     Raises:
       NonFiniteUpdateError: after `config.optim.max_consecutive_skips` consecutive skipped updates.
     """
+    return self.collect(self.dispatch(batch))
+
+  def dispatch(self, batch: Batch) -> tuple[Any, ...]:
+    """Starts one learner step on `batch` and returns at once (JAX dispatch is asynchronous): the host can draw
+    and place the next batch while the step runs. `collect` its result before dispatching another."""
     t0 = time.perf_counter()
     batch = self.put_batch(batch)
     self.state, metrics = self._step_fn(self.state, batch, self.ref_state)
     counters = {'policy': self.state.policy.consecutive_skips}
     if self.state.critic is not None:
       counters['critic'] = self.state.critic.consecutive_skips
-    host = parallel.to_host((metrics, counters))
-    metrics, counters = host
+    return t0, batch.tokens.shape, metrics, counters
+
+  def collect(self, pending: tuple[Any, ...]) -> dict[str, float]:
+    """Waits for a dispatched step; returns its host metrics (see `update`)."""
+    t0, (b, t), metrics, counters = pending
+    metrics, counters = parallel.to_host((metrics, counters))
     dt = time.perf_counter() - t0
     self.last_step_time_s = dt
     out = {k: float(v) for k, v in metrics.items()}
-    b, t = batch.tokens.shape
     out['perf/step_time_s'] = dt
     out['perf/tokens_per_s'] = b * t / dt
     out['perf/action_tokens_per_s'] = out['batch/action_tokens'] / dt

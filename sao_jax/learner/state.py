@@ -60,6 +60,8 @@ def place(tree: Any, shardings: Any) -> Any:
   def one(x, s):
     if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
       return jax.device_put(x, s, may_alias=False)  # A copy: the learner donates its buffers.
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # A global array: resharded on the devices.
+      return jax.jit(jnp.copy, out_shardings=s)(x)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
   return jax.tree.map(one, tree, shardings)

@@ -8,9 +8,12 @@ from sao_jax.parallel.distributed import to_host
 from sao_jax.parallel.mesh import BATCH_AXES
 from sao_jax.parallel.mesh import batch_divisor
 from sao_jax.parallel.mesh import check_layout
+from sao_jax.parallel.mesh import actor_device_count
+from sao_jax.parallel.mesh import make_actor_mesh
 from sao_jax.parallel.mesh import make_mesh
 from sao_jax.parallel.mesh import MESH_AXES
 from sao_jax.parallel.mesh import mesh_shape
+from sao_jax.parallel.mesh import split_devices
 from sao_jax.parallel.sharding import batch_sharding
 from sao_jax.parallel.sharding import batch_shardings
 from sao_jax.parallel.sharding import batch_spec

@@ -82,6 +82,54 @@ def make_mesh(mesh_config: Any, devices: Sequence[jax.Device] | None = None) -> 
   return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES, axis_types=axis_types)
 
 
+def actor_device_count(mesh_config: Any) -> int:
+  """`config.mesh.actor_devices` (0 when the field is absent)."""
+  try:
+    return int(_field(mesh_config, 'actor_devices'))
+  except (KeyError, AttributeError):
+    return 0
+
+
+def split_devices(mesh_config: Any, devices: Sequence[jax.Device] | None = None
+                  ) -> tuple[list[jax.Device], list[jax.Device] | None]:
+  """The learner's devices (all processes) and this process's actor devices (tunix-style roles).
+
+  `config.mesh.actor_devices = n > 0`: the first `n` local devices of EVERY process run its actors (the first
+  ones, so the default device, where uncommitted host inputs land, is an actor device); the learner mesh spans
+  the others. `n = 0`: one process shares the learner's mesh with the actors by reference (actor devices None);
+  on several processes the actors of each one run on its local devices (which the learner also uses).
+
+  Raises:
+    ConfigError: naming `config.mesh.actor_devices` when it leaves a process no learner device.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  n = actor_device_count(mesh_config)
+  if n < 0:
+    raise ConfigError(f'config.mesh.actor_devices={n}: must be >= 0 (0 = actors share the learner\'s devices).')
+  by_process: dict[int, list[jax.Device]] = {}
+  for d in devices:
+    by_process.setdefault(d.process_index, []).append(d)
+  if n == 0:
+    local = by_process.get(jax.process_index(), [])
+    return devices, (None if len(by_process) == 1 else local)
+  fewest = min(len(v) for v in by_process.values())
+  if n >= fewest:
+    raise ConfigError(f'config.mesh.actor_devices={n}: each process has {fewest} device(s) and the learner needs '
+                      'at least one of them; lower it (0 = actors share the learner\'s devices).')
+  actors = {p: sorted(v, key=lambda d: d.id)[:n] for p, v in by_process.items()}
+  taken = {d.id for v in actors.values() for d in v}
+  return [d for d in devices if d.id not in taken], actors.get(jax.process_index(), [])
+
+
+def make_actor_mesh(devices: Sequence[jax.Device]) -> Mesh:
+  """The actors' mesh over `devices` (one process's): every device on the `tensor` axis (heads, MLP and vocab
+  split by `config.mesh.rules`; what does not divide is replicated), `data` and `fsdp` of size 1, so the same
+  rules and logical axes serve both roles."""
+  devices = list(devices)
+  return Mesh(np.asarray(devices, dtype=object).reshape(1, 1, len(devices)), MESH_AXES,
+              axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
 def batch_divisor(mesh: Mesh) -> int:
   """Number of shards a batch's rows are split into (`data * fsdp`)."""
   return math.prod(mesh.shape[axis] for axis in BATCH_AXES)

@@ -30,6 +30,7 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sao_jax import types
 from sao_jax.envs.base import Example, ExampleIterator, Task
@@ -76,8 +77,13 @@ class WeightPublisher:
   """The newest policy weights and their version, copied onto the actors' sharding (module docstring).
 
   Args:
-    shardings_fn: `state -> shardings` of the actor copy (default: each array keeps its own sharding: on a
-      shared device set the copy is a plain device-side copy).
+    shardings_fn: `state -> shardings` of the actor copy on the actors' own mesh (`parallel.make_actor_mesh`),
+      or None: the actors share the learner's mesh, each array keeps its sharding (a device-side copy).
+
+  With an actor mesh the copy is `jax.device_put` onto it (dispatched asynchronously: the learner goes on). A
+  learner state that spans several processes is first all-gathered on the learner mesh (one jitted program that
+  every process runs at the same point of the loop), then each process copies its local replica onto its own
+  actor devices.
   """
 
   def __init__(self, shardings_fn: Callable[[Any], Any] | None = None):
@@ -85,13 +91,27 @@ class WeightPublisher:
     self._lock = threading.Lock()
     self._current: tuple[Any, Any, int] | None = None  # (graphdef, state, version)
     self._copy = None
+    self._target = None
+    self._gather = None
+
+  def _to_actors(self, state: Any) -> Any:
+    if self._shardings_fn is None:
+      if self._copy is None:
+        self._copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
+      return self._copy(state)
+    if self._target is None:
+      self._target = self._shardings_fn(state)
+    if not all(x.is_fully_addressable for x in jax.tree.leaves(state)):
+      if self._gather is None:
+        mesh = next(x.sharding.mesh for x in jax.tree.leaves(state) if hasattr(x.sharding, 'mesh'))
+        self._gather = jax.jit(lambda s: jax.tree.map(jnp.copy, s),
+                               out_shardings=NamedSharding(mesh, PartitionSpec()))
+      state = jax.tree.map(lambda x: x.addressable_data(0), self._gather(state))
+    return jax.device_put(state, self._target)
 
   def publish(self, model: nnx.Module, *, version: int) -> None:
     graphdef, state = nnx.split(model)
-    if self._copy is None:
-      out = None if self._shardings_fn is None else self._shardings_fn(state)
-      self._copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=out)
-    copied = self._copy(state)
+    copied = self._to_actors(state)
     with self._lock:
       self._current = (graphdef, copied, int(version))
 

@@ -1,0 +1,73 @@
+"""Shared by the trainer tests: one tiny override for every config (tiny model, short episodes, small batches),
+as a dict of `config.<path>` values, so the same shapes (and compiled programs) serve every test and config."""
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Every config's longest prompt with the char tokenizer is under 180 tokens (code/imo/math samples): one prompt
+# bucket and one sequence bucket of 224 hold any of them plus a turn.
+TINY: dict[str, Any] = {
+    'model.name': 'tiny',
+    'model.tokenizer': 'char',
+    'task.eval_size': 2,
+    'sampler.batch_size': 8,
+    'sampler.max_new_tokens': 8,
+    'sampler.max_seq_len': 224,
+    'sampler.prompt_buckets': (224,),
+    'trainer.batch_size': 8,
+    'trainer.seq_buckets': (224,),
+    'trainer.queue_size': 16,
+    'trainer.num_steps': 2,
+    'trainer.eval_every': 0,
+    'trainer.checkpoint_every': 0,
+    'trainer.tensorboard': False,
+}
+
+
+def apply(config, overrides: dict[str, Any]):
+  """Sets `config.<path> = value` for each item (the config is unlocked for it); returns the config."""
+  with config.unlocked():
+    for path, value in overrides.items():
+      *parents, leaf = path.split('.')
+      node = config
+      for p in parents:
+        node = node[p]
+      node[leaf] = value
+  return config
+
+
+def flags(overrides: dict[str, Any]) -> list[str]:
+  """The same overrides as `--config.<path>=value` command-line flags."""
+  def text(v):
+    if isinstance(v, tuple):
+      return '(' + ','.join(str(x) for x in v) + (',)' if len(v) == 1 else ')')
+    return str(v)
+  return [f'--config.{k}={text(v)}' for k, v in overrides.items()]
+
+
+def subprocess_env(devices: int = 1, cache_dir: str | None = None) -> dict[str, str]:
+  """Environment of a child run: CPU with `devices` simulated devices; a persistent compilation cache in
+  `cache_dir` (shared by the children of one test, so only the first one compiles)."""
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+             PYTHONPATH=ROOT)
+  if cache_dir:
+    env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+  return env
+
+
+def main_command(config_file: str, workdir: str, overrides: dict[str, Any]) -> list[str]:
+  return [sys.executable, '-m', 'sao_jax.main', f'--config={config_file}', f'--workdir={workdir}',
+          *flags(overrides)]
+
+
+def popen_main(config_file: str, workdir: str, overrides: dict[str, Any], *, env: dict[str, str], log: str
+               ) -> subprocess.Popen:
+  """Starts `python -m sao_jax.main` with its output (stdout and stderr) to the file `log`."""
+  with open(log, 'ab') as f:
+    return subprocess.Popen(main_command(config_file, workdir, overrides), cwd=ROOT, env=env, stdout=f,
+                            stderr=subprocess.STDOUT)
