@@ -61,5 +61,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.num_threads = 1  # One sampler thread (2 cores: the learner has the other).
   c.optim.actor_lr = 1e-3  # A 0.14M-parameter model from scratch moves at much larger steps than SAO's 1e-6.
   c.optim.critic_lr = 1e-3  # Critic (value head from zero, backbone from the warm-started policy).
-  c.algo.critic_warmup_steps = 5  # Critic-only steps: the fresh value head learns the mean reward first.
   return c
