@@ -98,6 +98,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   t.step_timeout_s = 0.0  # Wall-clock bound of one env step (0 = none): past it the episode ends as failed (counted).
   t.kwargs = ml_collections.ConfigDict()  # Task-specific options (difficulty, data files, field names).
 
+  # ---- Supervised warm start (sao_jax/sft.py): cross-entropy on task-generated solutions, before RL.
+  # Runs on a fresh run only (not on resume), after the learner is built and before the actors start.
+  c.sft = sf = ml_collections.ConfigDict()
+  sf.steps = 0  # Optimizer steps of the warm start (0 = off).
+  sf.batch_size = 64  # Problems (rows) per step.
+  sf.lr = 1e-3  # Peak learning rate (the optimizer is config.optim's, with its own state).
+  sf.warmup_steps = 0  # Linear learning-rate warmup, in warm-start steps; constant afterwards.
+  sf.num_examples = 0  # Distinct training problems, cycled (0 = a fresh problem for every row).
+  sf.data_seed = 1  # The problems come from the task's training stream with seed config.seed + this.
+  sf.log_every = 50  # Warm-start steps between loss logs (0 = first and last only).
+
   # ---- Device mesh and sharding.
   c.mesh = ms = ml_collections.ConfigDict()
   ms.data = 1  # Size of the data-parallel axis (-1 = all remaining devices).

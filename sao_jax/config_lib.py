@@ -185,6 +185,14 @@ FIELDS: dict[str, Check] = {
     'task.eval_size': Check(int),
     'task.step_timeout_s': _float(ge=0.0, why='0 = no bound.'),
     'task.kwargs': Check(Mapping),
+    # ---- sft (the supervised warm start, sao_jax/sft.py)
+    'sft.steps': _int(ge=0, why='0 = off.'),
+    'sft.batch_size': _int(ge=1),
+    'sft.lr': _float(gt=0.0),
+    'sft.warmup_steps': _int(ge=0),
+    'sft.num_examples': _int(ge=0, why='0 = a fresh problem for every row.'),
+    'sft.data_seed': _int(ge=0),
+    'sft.log_every': _int(ge=0, why='0 = the first and last steps only.'),
     # ---- mesh (sizes: parallel.mesh_shape / make_mesh; rules: parallel.rules_dict; layout: check_layout)
     'mesh.data': Check(int),
     'mesh.fsdp': Check(int),

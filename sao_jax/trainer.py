@@ -55,6 +55,7 @@ from sao_jax import metrics as metrics_lib
 from sao_jax import models
 from sao_jax import parallel
 from sao_jax import rollout
+from sao_jax import sft
 from sao_jax.envs import registry
 from sao_jax.envs.base import Example, ExampleIterator
 from sao_jax.errors import ConfigError
@@ -334,6 +335,12 @@ def run(config: Any) -> dict[str, Any]:
   if ckpt.latest_step() is not None:
     start = restore_checkpoint(ckpt, learner, config, prompts)
 
+  # ---- [sft hook] Supervised warm start (config.sft, sao_jax/sft.py): a fresh run only, before the actors start.
+  # Its metrics (eval accuracy before / after it, losses) go into the step-0 row and the run summary.
+  warm = {}
+  if start == 0 and int(config.sft.steps) > 0:
+    warm = sft.warm_start(learner, task, tokenizer, config, evaluate=bool(tr.eval_every))
+
   # ---- Actors.
   publisher = actor_lib.WeightPublisher(
       None if actor_mesh is None else lambda state: parallel.tree_shardings(state, actor_mesh, config.mesh.rules))
@@ -389,7 +396,7 @@ def run(config: Any) -> dict[str, Any]:
     if eval_backend is None:
       eval_backend = eval_lib.make_backend(model, tokenizer, task, config, version=step)
     summary = eval_lib.evaluate(model, tokenizer, task, config, backend=eval_backend, progress=False,
-                                policy_version=step)
+                                version=step)
     return {'eval_accuracy': summary['greedy_accuracy'], 'eval/greedy_reward': summary['greedy_reward'],
             'eval/truncated_fraction': summary['truncated_fraction']}
 
@@ -408,7 +415,7 @@ def run(config: Any) -> dict[str, Any]:
   try:
     if start == 0 and tr.eval_every:
       first_eval = last_eval = evaluate(0)
-      writer.write(0, {**first_eval, 'trajectories': 0})
+      writer.write(0, {**first_eval, 'trajectories': 0, **warm})
       logging.info('step 0: eval accuracy %.3f', first_eval['eval_accuracy'])
 
     def draw(version: int) -> tuple[rollout.Packed, list[int], float, collections.Counter[str]]:
@@ -515,5 +522,7 @@ def run(config: Any) -> dict[str, Any]:
              'start_accuracy': None if first_eval is None else first_eval['eval_accuracy'],
              'end_accuracy': None if last_eval is None else last_eval['eval_accuracy'],
              'stopped_by_signal': stopped}
+  if 'sft/eval_accuracy' in warm:  # [sft hook] start = before the warm start; sft = after it (step 0).
+    summary.update(start_accuracy=warm['sft/eval_accuracy_before'], sft_accuracy=warm['sft/eval_accuracy'])
   logging.info('Run summary: %s', summary)
   return summary

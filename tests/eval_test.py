@@ -57,11 +57,18 @@ def _counts(i, k):
   return i % (k + 1)
 
 
+def _arith_config():
+  """configs/arith.py with the `<answer>N</answer>` format that the scripted replies below use."""
+  config = arith_config.get_config()
+  config.task.kwargs.answer_format = 'tag'
+  return config
+
+
 class EvalScoringTest(parameterized.TestCase):
   """The pipeline with a scripted generator: JSONL rows, counts and pass@k / avg@k exactly."""
 
   def test_counts_pass_at_k_and_jsonl(self):
-    config = arith_config.get_config()
+    config = _arith_config()
     config.task.eval_size = 7
     task = registry.get_task(config.task)
     tok = CharTokenizer()
@@ -124,7 +131,7 @@ class EvalScoringTest(parameterized.TestCase):
     self.assertIn('pass@4', evaluation.format_table(summary))
 
   def test_env_errors_are_counted_and_excluded(self):
-    config = arith_config.get_config()
+    config = _arith_config()
     config.task.eval_size = 4
     task = registry.get_task(config.task)
     examples = task.eval_set()
@@ -152,7 +159,7 @@ class EvalScoringTest(parameterized.TestCase):
     self.assertEqual(run.results[2].rewards, [0.0, 0.0])
 
   def test_bad_arguments(self):
-    config = arith_config.get_config()
+    config = _arith_config()
     config.task.eval_size = 2
     task = registry.get_task(config.task)
     tok = CharTokenizer()
@@ -165,8 +172,8 @@ class EvalScoringTest(parameterized.TestCase):
       eval_lib.run_eval(backend, tok, task, config, limit=0, progress=False)
     with self.assertRaisesRegex(ValueError, 'needs a model'):
       eval_lib.evaluate(None, tok, task, config)
-    config.sampler.max_seq_len = 20
-    with self.assertRaisesRegex(ValueError, 'config.sampler.max_seq_len=20'):
+    config.sampler.max_seq_len = 10  # The prompts are 16-17 tokens.
+    with self.assertRaisesRegex(ValueError, 'config.sampler.max_seq_len=10'):
       eval_lib.run_eval(backend, tok, task, config, progress=False)
     with self.assertRaisesRegex(ValueError, 'exactly one of --checkpoint'):
       eval_lib.load_model_and_tokenizer(config, checkpoint=None, hf_model=None)

@@ -17,6 +17,7 @@ def tiny_config(workdir, **trainer_kw):
   c = arith.get_config('1')
   c.workdir = workdir
   c.model.name = 'tiny'
+  c.sft.steps = 0  # No warm start (configs/arith.py has one): these tests are about the loop.
   c.task.eval_size = 4
   c.sampler.batch_size = 8
   c.sampler.max_new_tokens = 6

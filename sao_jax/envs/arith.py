@@ -27,6 +27,7 @@ class ArithOptions:
   """`config.task.kwargs` of arith (also the problem generator of calculator and drift)."""
   min_digits: int = 1  # Fewest digits of an operand.
   max_digits: int = 2  # Most digits of an operand.
+  mul_max_digits: int = 0  # Most digits of the right factor of a '*' (0 = max_digits); fewest: min(min_digits, this).
   min_ops: int = 1  # Fewest operators in a problem.
   max_ops: int = 1  # Most operators in a problem.
   ops: str = '+-*'  # Operator set, drawn uniformly: any of '+', '-', '*'.
@@ -40,6 +41,9 @@ class ArithOptions:
     if not 1 <= self.min_digits <= self.max_digits <= 18:
       raise ConfigError(f'config.{path}.min_digits/max_digits=({self.min_digits}, {self.max_digits}): need '
                         '1 <= min_digits <= max_digits <= 18.')
+    if not 0 <= self.mul_max_digits <= 18:
+      raise ConfigError(f'config.{path}.mul_max_digits={self.mul_max_digits}: need 0 <= mul_max_digits <= 18 '
+                        '(0 = max_digits).')
     if not 1 <= self.min_ops <= self.max_ops <= 16:
       raise ConfigError(f'config.{path}.min_ops/max_ops=({self.min_ops}, {self.max_ops}): need '
                         '1 <= min_ops <= max_ops <= 16.')
@@ -59,11 +63,21 @@ def _operand(rng: np.random.Generator, opts: ArithOptions) -> int:
 
 
 def generate_expression(rng: np.random.Generator, opts: ArithOptions) -> tuple[str, int]:
-  """A random expression and its integer value."""
+  """A random expression and its integer value.
+
+  With `mul_max_digits` set, the right factor of every '*' is then redrawn in its own digit range (after the
+  draws of the expression, so the problem stream without it is unchanged): e.g. 2-digit by 1-digit products.
+  """
   n_ops = int(rng.integers(opts.min_ops, opts.max_ops + 1))
   parts = [str(_operand(rng, opts))]
   for _ in range(n_ops):
     parts += [opts.ops[int(rng.integers(len(opts.ops)))], str(_operand(rng, opts))]
+  if opts.mul_max_digits:
+    factor = dataclasses.replace(opts, min_digits=min(opts.min_digits, opts.mul_max_digits),
+                                 max_digits=opts.mul_max_digits)
+    for i in range(2, len(parts), 2):  # Operands sit at even indices, operators between them.
+      if parts[i - 1] == '*':
+        parts[i] = str(_operand(rng, factor))
   expr = ''.join(parts)
   value = safe_eval.safe_eval(expr, max_abs=1e60, max_len=1000)
   return expr, int(value)
@@ -145,6 +159,10 @@ class ArithTask(GeneratedTask):
 
   def make_env(self, example: base.Example) -> ArithEnv:
     return ArithEnv(example, self.opts, max_turns=1)
+
+  def solution(self, example: base.Example) -> str:
+    """The canonical correct reply: the answer alone, in the task's answer format."""
+    return answers.render(example.answer, self.opts.answer_format)
 
 
 @registry.register_task('arith', ArithOptions)

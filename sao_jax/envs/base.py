@@ -293,6 +293,12 @@ class Task(abc.ABC):
   def make_env(self, example: Example) -> Env:
     """An env bound to `example` (call `reset()` to start)."""
 
+  def solution(self, example: Example) -> str:
+    """A correct final response to `example` (the assistant's reply text): the data of a supervised warm start
+    (`sao_jax.sft`). Tasks without one raise NotImplementedError."""
+    raise NotImplementedError(f'Task {self.name or type(self).__name__!r} has no reference solutions '
+                              '(Task.solution), so it cannot be warm-started (config.sft.steps).')
+
   def metrics(self) -> dict[str, float]:
     """Task-level metrics to log (e.g. the drift phase); empty by default."""
     return {}

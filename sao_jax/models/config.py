@@ -258,6 +258,10 @@ _NAMED: dict[str, dict[str, Any]] = {
     'tiny': dict(vocab_size=512, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                  mlp_dim=128, rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=True, bos_id=1,
                  eos_ids=(2,), pad_id=0),
+    # The CPU demo (configs/arith.py): the char tokenizer's vocabulary (111 tokens) and its ids.
+    'demo': dict(vocab_size=128, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
+                 mlp_dim=256, rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=True, bos_id=2, eos_ids=(1,),
+                 pad_id=0, max_position=256),
     # ~26M parameters: the train-step throughput / MFU benchmark.
     'bench-25m': dict(vocab_size=8192, embed_dim=512, num_layers=7, num_heads=8, num_kv_heads=4, head_dim=64,
                       mlp_dim=1536, rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=True, bos_id=1,
@@ -288,7 +292,7 @@ MODEL_NAMES = tuple(_NAMED)
 
 
 def get_model_config(name: str, **overrides) -> ModelConfig:
-  """Returns the named config ('tiny', 'bench-25m', 'smollm2-135m', 'qwen2.5-0.5b', 'qwen3-0.6b',
+  """Returns the named config ('tiny', 'demo', 'bench-25m', 'smollm2-135m', 'qwen2.5-0.5b', 'qwen3-0.6b',
   'llama3.2-1b') with `overrides` applied (e.g. dtype='bfloat16', remat=True)."""
   if name not in _NAMED:
     raise ValueError(f'Unknown model config {name!r}; known: {", ".join(MODEL_NAMES)}.')

@@ -1,6 +1,7 @@
 """arith, calculator and the safe evaluator: rewards on right and wrong answers, formats, problem streams."""
 
 from fractions import Fraction
+import re
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -86,6 +87,31 @@ class ArithTest(parameterized.TestCase):
       self.assertTrue(all(len(n) == 3 for n in nums))
       self.assertEqual(int(ex.answer), eval(ex.data['expression']))  # pylint: disable=eval-used
       self.assertIn('<answer>N</answer>', ex.prompt)
+
+  def test_mul_max_digits_bounds_the_right_factor_only(self):
+    task = _task(eval_size=300, min_digits=2, max_digits=2, mul_max_digits=1, min_ops=1, max_ops=2)
+    right_factors = 0
+    for ex in task.eval_set():
+      expr = ex.data['expression']
+      parts = re.split(r'([+*-])', expr)  # Operands at even indices.
+      for i in range(0, len(parts), 2):
+        right_of_mul = i > 0 and parts[i - 1] == '*'
+        right_factors += right_of_mul
+        self.assertLen(parts[i], 1 if right_of_mul else 2, expr)  # 0-9, or 10-99 (left factors too).
+      self.assertEqual(int(ex.answer), eval(expr))  # pylint: disable=eval-used
+    self.assertGreater(right_factors, 50)
+    # Without it the stream is the one it always was (the redraw comes after the expression's draws).
+    plain = _task(eval_size=32, min_digits=2, max_digits=2, ops='+-')
+    also = _task(eval_size=32, min_digits=2, max_digits=2, ops='+-', mul_max_digits=1)
+    self.assertEqual([e.uid for e in plain.eval_set()], [e.uid for e in also.eval_set()])
+    with self.assertRaisesRegex(ConfigError, 'mul_max_digits'):
+      _task(mul_max_digits=19)
+
+  def test_solution_is_the_rewarded_reply(self):
+    for fmt in answers.FORMATS:
+      task = _task(eval_size=8, answer_format=fmt)
+      for ex in task.eval_set():
+        self.assertEqual(_reward(task, ex, task.solution(ex)).reward, 1.0)
 
   def test_eval_fixed_and_disjoint_from_train(self):
     a, b = _task(eval_size=32), _task(eval_size=32)

@@ -1,0 +1,232 @@
+"""Supervised warm start (`config.sft`): a few jitted cross-entropy steps on task-generated solutions, before RL.
+
+    summary = sft.warm_start(learner, task, tokenizer, config)    # the trainer's hook, on a fresh run only
+
+Each row is one training problem of the task (its own stream, seed `config.seed + config.sft.data_seed`; the
+eval set is excluded by the task's iterator) followed by the task's reference reply (`Task.solution`), laid out
+exactly as an episode: `tokenizer.apply_chat_template(messages + [assistant reply])`, whose assistant mask m
+marks the reply's tokens and its end-of-turn token, the tokens the policy generates in an episode. The loss is
+the token-mean cross-entropy on them:
+
+    loss = - sum_{b,t} m[b,t] log pi(tokens[b,t] | tokens[b,:t]) / max(sum_{b,t} m[b,t], 1)
+
+The update is the learner's own machinery (`learner.steps.run_updates`: guarded AdamW/SGD update, gradient
+clipping) on a train state of the policy with its own optimizer (`config.optim` with peak lr
+`config.sft.lr`, linear warmup over `config.sft.warmup_steps`, then constant); the RL optimizer's state is not
+touched. Afterwards the policy's weights go back into the learner, and the critic is re-initialised from the
+warm-started policy (SAO: the value model starts as the policy's backbone with a zero head), with a fresh
+optimizer state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from sao_jax import eval as eval_lib
+from sao_jax import losses
+from sao_jax import parallel
+from sao_jax.envs import base as envs_base
+from sao_jax.learner import Learner
+from sao_jax.learner import learner as learner_lib
+from sao_jax.learner import optim as optim_lib
+from sao_jax.learner import state as state_lib
+from sao_jax.learner import steps as steps_lib
+from sao_jax.models import logprobs as logprobs_lib
+from sao_jax.tokenizers import Tokenizer
+
+Metrics = dict[str, jax.Array]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Data.
+
+
+def solution_rows(task: envs_base.Task, tokenizer: Tokenizer, examples: Sequence[envs_base.Example], *,
+                  seq_buckets: Sequence[int]) -> dict[str, np.ndarray]:
+  """Rows `{'tokens': int32 [B, T], 'mask': float32 [B, T]}` of the examples with their reference replies.
+
+  `mask` is the chat template's assistant mask (the reply and its end-of-turn token); rows are right-padded
+  with `tokenizer.pad_id` to T = the smallest of `seq_buckets` that holds the longest row.
+
+  Raises:
+    ValueError: a row longer than the largest bucket.
+  """
+  rows = []
+  for ex in examples:
+    messages = ex.messages() + [{'role': 'assistant', 'content': task.solution(ex)}]
+    ids, mask = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    rows.append((ids, mask))
+  longest = max(len(ids) for ids, _ in rows)
+  fits = [b for b in sorted(seq_buckets) if b >= longest]
+  if not fits:
+    raise ValueError(f'A warm-start row of {longest} tokens does not fit config.trainer.seq_buckets='
+                     f'{tuple(seq_buckets)}.')
+  t = fits[0]
+  tokens = np.full((len(rows), t), tokenizer.pad_id, np.int32)
+  loss_mask = np.zeros((len(rows), t), np.float32)
+  for b, (ids, mask) in enumerate(rows):
+    tokens[b, :len(ids)] = ids
+    loss_mask[b, :len(mask)] = mask
+  return {'tokens': tokens, 'mask': loss_mask}
+
+
+class SolutionStream:
+  """Batches of `solution_rows` from the task's training stream (seed `seed`): `num_examples` problems cycled
+  in order, or a fresh problem for every row (`num_examples=0`)."""
+
+  def __init__(self, task: envs_base.Task, tokenizer: Tokenizer, *, seed: int, batch_size: int,
+               num_examples: int, seq_buckets: Sequence[int]):
+    self._task, self._tokenizer = task, tokenizer
+    self._it = task.train_iterator(seed)
+    self._batch_size = batch_size
+    self._buckets = tuple(seq_buckets)
+    self._pool = [next(self._it) for _ in range(num_examples)]
+    self._pos = 0
+
+  def _next_example(self) -> envs_base.Example:
+    if not self._pool:
+      return next(self._it)
+    ex = self._pool[self._pos % len(self._pool)]
+    self._pos += 1
+    return ex
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    examples = [self._next_example() for _ in range(self._batch_size)]
+    return solution_rows(self._task, self._tokenizer, examples, seq_buckets=self._buckets)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Loss and the jitted step.
+
+
+def sft_loss(logprobs: jax.Array, mask: jax.Array) -> tuple[jax.Array, Metrics]:
+  """Token-mean negative log-likelihood of the masked tokens: `-sum(m * logp) / max(sum(m), 1)`.
+
+  `logprobs[b, t] = log pi(tokens[b, t] | tokens[b, :t])` (DESIGN alignment); `mask` float `[B, T]`.
+  """
+  nll = -losses.masked_mean(logprobs, mask)
+  return nll, {'nll': nll, 'tokens': mask.sum()}
+
+
+def sft_objective() -> steps_lib.Objective:
+  """`sft_loss` as a learner `Objective` (split at the model, so `run_updates` can microbatch it)."""
+
+  def forward(model, rows, _):
+    return {'logprobs': logprobs_lib.token_logprobs(model, rows['tokens'])}
+
+  def loss(out, rows, scale):
+    value, metrics = sft_loss(out['logprobs'], rows['mask'])
+    return scale('token_mean') * value, metrics
+
+  return steps_lib.Objective(forward, loss)
+
+
+def sft_optimizer(config: Any):
+  """The warm start's optimizer: `config.optim` (optimizer, betas, clipping, ...) at peak lr `config.sft.lr`,
+  linear warmup over `config.sft.warmup_steps` optimizer steps, then constant."""
+  o = config.optim.copy_and_resolve_references()
+  o.schedule = 'constant'
+  o.warmup_steps = int(config.sft.warmup_steps)
+  return optim_lib.make_optimizer(o, float(config.sft.lr))
+
+
+def make_sft_step(spec: state_lib.ModelSpec, shardings: state_lib.TrainState, mesh
+                  ) -> Callable[[state_lib.TrainState, dict[str, Any]], tuple[state_lib.TrainState, Metrics]]:
+  """`(train state, rows) -> (train state, metrics)`: one guarded optimizer update on `sft_loss` (jitted,
+  state donated, rows sharded over the data axes). Metrics: loss, nll, tokens, grad_norm, skipped."""
+  objective = sft_objective()
+
+  def step(ts, rows):
+    return steps_lib.run_updates(spec, ts, rows, objective, epochs=1, minibatch_size=0, mesh=mesh)
+
+  rows_sh = {'tokens': parallel.batch_sharding(mesh, 2), 'mask': parallel.batch_sharding(mesh, 2)}
+  return jax.jit(step, in_shardings=(shardings, rows_sh), out_shardings=(shardings, parallel.replicated(mesh)),
+                 donate_argnums=(0,))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The warm start.
+
+
+def _reset_critic(learner: Learner) -> None:
+  """The critic re-initialised from the current policy (backbone copied, zero head), fresh optimizer state."""
+  if learner.critic_spec is None:
+    return
+  spec = learner.critic_spec
+  critic = learner_lib.default_critic(learner.policy_model(), int(learner.config.seed) + 1)
+  _, ts, _ = state_lib.create_train_state(critic, spec.tx, learner.mesh, learner.config.mesh.rules,
+                                          trainable=spec.trainable)
+  learner.state = learner.state.replace(critic=ts)
+
+
+def warm_start(learner: Learner, task: envs_base.Task, tokenizer: Tokenizer, config: Any, *,
+               evaluate: bool = True) -> dict[str, float]:
+  """Runs `config.sft.steps` supervised steps on the learner's policy (see the module docstring).
+
+  Args:
+    learner: the fresh learner (step 0); its policy is updated in place and its critic re-initialised from it.
+    task: the task (`Task.solution` gives the replies).
+    tokenizer: the policy's tokenizer.
+    config: the run config (`sft`, `optim`, `trainer.seq_buckets`, `mesh`, `seed`).
+    evaluate: greedy eval accuracy on the task's eval set before and after (`sao_jax.eval.evaluate`).
+
+  Returns:
+    `{'sft/steps', 'sft/examples', 'sft/loss_first', 'sft/loss_last', 'sft/wall_s', 'sft/tokens_per_s'}` and,
+    with `evaluate`, `'sft/eval_accuracy_before'` and `'sft/eval_accuracy'` (after).
+  """
+  s = config.sft
+  steps = int(s.steps)
+  t0 = time.perf_counter()
+  out: dict[str, float] = {}
+  backend = None
+
+  def accuracy() -> float:
+    nonlocal backend
+    model = learner.policy_model()
+    if backend is None:
+      backend = eval_lib.make_backend(model, tokenizer, task, config, version=0)
+    summary = eval_lib.evaluate(model, tokenizer, task, config, backend=backend, version=0, progress=False)
+    return float(summary['greedy_accuracy'])
+
+  if evaluate:
+    out['sft/eval_accuracy_before'] = accuracy()
+  spec, ts, shardings = state_lib.create_train_state(learner.policy_model(), sft_optimizer(config), learner.mesh,
+                                                     config.mesh.rules)
+  step_fn = make_sft_step(spec, shardings, learner.mesh)
+  data = SolutionStream(task, tokenizer, seed=int(config.seed) + int(s.data_seed), batch_size=int(s.batch_size),
+                        num_examples=int(s.num_examples), seq_buckets=tuple(config.trainer.seq_buckets))
+  first = last = float('nan')
+  tokens = 0
+  t_steps = time.perf_counter()
+  for i in range(steps):
+    rows = next(data)
+    tokens += rows['tokens'].size
+    ts, metrics = step_fn(ts, state_lib.place(rows, {k: parallel.batch_sharding(learner.mesh, 2) for k in rows}))
+    if i == 0 or i == steps - 1 or (s.log_every and (i + 1) % int(s.log_every) == 0):
+      m = {k: float(v) for k, v in parallel.to_host(metrics).items()}
+      first = m['loss'] if i == 0 else first
+      last = m['loss']
+      logging.info('sft step %d/%d | loss %.4f | grad norm %.3f', i + 1, steps, m['loss'], m['grad_norm'])
+  jax.block_until_ready(ts)
+  step_s = time.perf_counter() - t_steps
+  policy = learner.state.policy.replace(params=ts.params, rest=ts.rest)
+  learner.state = learner.state.replace(policy=policy)
+  _reset_critic(learner)
+  if evaluate:
+    out['sft/eval_accuracy'] = accuracy()
+  out.update({'sft/steps': float(steps), 'sft/examples': float(steps * int(s.batch_size)),
+              'sft/loss_first': first, 'sft/loss_last': last, 'sft/wall_s': time.perf_counter() - t0,
+              'sft/tokens_per_s': tokens / max(step_s, 1e-9)})
+  logging.info('Warm start: %d steps (%d examples) in %.1fs; loss %.4f -> %.4f; eval accuracy %s -> %s.', steps,
+               steps * int(s.batch_size), out['sft/wall_s'], first, last,
+               out.get('sft/eval_accuracy_before', 'n/a'), out.get('sft/eval_accuracy', 'n/a'))
+  return out
