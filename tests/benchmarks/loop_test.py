@@ -48,7 +48,7 @@ class QuickTest(absltest.TestCase):
 
   def test_measurements_file_reads_in_the_calibration(self):
     runs = {s: [{'trajectories_per_s': 2.0, 'learner_idle_fraction': 0.5, 'learner_busy_s': [0.5, 0.7],
-                 'generate_s': 1.0, 'load': '1 1 1'}] for s in loop.SETTINGS}
+                 'generate_s': 1.0, 'generate_s_median': 1.0, 'load': '1 1 1'}] for s in loop.SETTINGS}
     prb = {'rows': 2, 'gen_tokens': [5, 9], 'turns': [1, 3], 'tool_latency_s': [0.1, 0.2], 'tokens_per_s': 100.0,
            'turn_overhead_s': 0.01, 'call_overhead_s': 0.02, 'generate_s': 0.5}
     path = os.path.join(tempfile.mkdtemp(), 'm.json')
