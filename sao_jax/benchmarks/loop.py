@@ -232,9 +232,10 @@ def run_benchmark(*, quick: bool = False, settings=SETTINGS, rounds: int = 2, th
                   call_rows: int = 8, steps: int = 12, skip: int = 3, probe_calls: int = 5,
                   json_path: str = '') -> dict[str, list[dict]]:
   """Runs the settings interleaved `rounds` times, prints the table; returns {setting: [figures per run]}.
-  `quick`: 2 threads, batch 4 of calls of 2, 3 steps (1 skipped), one round, ms tool times, no probe."""
+  `quick`: 2 threads, batch 8 (divisible by the tests' 8 simulated devices) of calls of 4, 3 steps (1 skipped),
+  one round, ms tool times, no probe."""
   if quick:
-    threads, batch, call_rows, steps, skip, rounds, probe_calls = 2, 4, 2, 3, 1, 1, 0
+    threads, batch, call_rows, steps, skip, rounds, probe_calls = 2, 8, 4, 3, 1, 1, 0
   kw = dict(quick=quick, threads=threads, batch=batch, call_rows=call_rows, steps=steps)
   unknown = set(settings) - set(SETTINGS)
   if unknown:
