@@ -490,6 +490,10 @@ def run(config: Any) -> dict[str, Any]:
           'learner/tokens_per_s': learner_metrics.get('perf/tokens_per_s'),
           'actor/tokens_per_s': actor_tokens.rate(),
           'learner/version': step,
+          # Episode timing of the batch (the loop benchmark's calibration of sao_jax.sim reads these).
+          'episode/generate_s': float(np.mean([t.generate_seconds for t in trajs])),
+          'episode/env_s': float(np.mean([t.env_seconds for t in trajs])),
+          'learner/busy_s': dt - wait_s,
       }
       if tr.eval_every and (step % int(tr.eval_every) == 0 or step == int(tr.num_steps)):
         last_eval = evaluate(step)

@@ -28,6 +28,7 @@ _BUILTIN_MODULES = {
     'code': 'sao_jax.envs.code',
     'math': 'sao_jax.envs.math_task',
     'drift': 'sao_jax.envs.drift',
+    'latency': 'sao_jax.envs.latency',
 }
 
 

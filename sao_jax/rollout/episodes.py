@@ -23,6 +23,8 @@ state must be one from which the policy generates next, a state the critic is tr
   state the critic is never trained on, so `pack` drops it (counted). A turn-limit cut whose env gives no
   final observation is marked the same way (`bootstrappable=False`, `cut_by='max_turns'`).
 
+The env steps of one turn run concurrently, one thread per row (`_absorb_rows`): tool calls that wait on a
+sandbox or a remote service overlap, so a turn waits for its slowest tool call, not for their sum.
 Env failures (`guarded_step`) end the episode with `info['error']` and reward 0. Greedy decoding
 (temperature 0) marks the trajectories `greedy` (eval only: their behaviour log-probs are those of a point
 mass, 0). `run_episode` plays one episode with a per-episode generate function (a `ContextBackend`).
@@ -30,6 +32,7 @@ mass, 0). `run_episode` plays one episode with a per-episode generate function (
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -186,14 +189,20 @@ def run_episodes(backend: Backend, tokenizer: Tokenizer, envs: Sequence[Env], *,
       ep.generate_seconds += seconds
     return gens, handle
 
-  gens, handle = timed(backend.first_turn, [ep.prompt_ids for ep in episodes], [budget(ep) for ep in episodes],
-                       decoding=decoding, seeds=list(seeds))
-  observations = [absorb(ep, g) for ep, g in zip(episodes, gens)]
-  while not all(ep.done for ep in episodes):
-    gens, handle = timed(backend.next_turn, handle, observations,
-                         [0 if ep.done else budget(ep) for ep in episodes], decoding=decoding)
-    observations = [None if ep.done else absorb(ep, g) for ep, g in zip(episodes, gens)]
-  del handle
+  pool = _env_pool(len(episodes))
+  try:
+    gens, handle = timed(backend.first_turn, [ep.prompt_ids for ep in episodes],
+                         [budget(ep) for ep in episodes], decoding=decoding, seeds=list(seeds))
+    observations = _absorb_rows(pool, absorb, episodes, gens, [True] * len(episodes))
+    while not all(ep.done for ep in episodes):
+      running = [not ep.done for ep in episodes]
+      gens, handle = timed(backend.next_turn, handle, observations,
+                           [0 if ep.done else budget(ep) for ep in episodes], decoding=decoding)
+      observations = _absorb_rows(pool, absorb, episodes, gens, running)
+    del handle
+  finally:
+    if pool is not None:
+      pool.shutdown(wait=True)
   out = []
   for ep in episodes:
     reward = 0.0 if 'error' in ep.info else ep.reward
@@ -203,6 +212,25 @@ def run_episodes(backend: Backend, tokenizer: Tokenizer, envs: Sequence[Env], *,
         group_id=ep.group_id, greedy=decoding.greedy, generate_seconds=ep.generate_seconds,
         env_seconds=ep.env_seconds, info=ep.info))
   return out
+
+
+# ---- Concurrent env steps: the rows of one turn step their envs at once (tool calls that wait on a sandbox or
+# a remote service overlap), so a turn waits for its slowest tool call, not for the sum of them.
+
+
+def _env_pool(rows: int) -> concurrent.futures.ThreadPoolExecutor | None:
+  """A thread per row (threads start lazily, on first use); None for a single row."""
+  return None if rows <= 1 else concurrent.futures.ThreadPoolExecutor(max_workers=rows,
+                                                                      thread_name_prefix='env-step')
+
+
+def _absorb_rows(pool, absorb, episodes, gens, running) -> list[list[int] | None]:
+  """`absorb(ep, gen)` for the running rows (None for the others), concurrently on `pool` when given. Each
+  call touches only its own episode; the first exception (in row order) is raised, as a plain loop would."""
+  if pool is None:
+    return [absorb(ep, g) if run else None for ep, g, run in zip(episodes, gens, running)]
+  futures = [pool.submit(absorb, ep, g) if run else None for ep, g, run in zip(episodes, gens, running)]
+  return [None if f is None else f.result() for f in futures]
 
 
 def run_episode(env: Env, tokenizer: Tokenizer, generate: GenerateFn, *, limits: EpisodeLimits,

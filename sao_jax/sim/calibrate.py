@@ -22,6 +22,20 @@ The JSON file:
 
 e.g. "config": {"num_slots": 8, "batch_size": 8, "tokens_per_s": 41.0, "gen_tokens": {"samples": [...],
 "kind": "lognormal"}, "tool_latency_s": {"kind": "lognormal", "mean": 0.8, "sigma": 0.6}, "step_time_s": 2.4}.
+
+Optional, for a loop whose actors play lock-stepped batched calls (`sao_jax.rollout.run_episodes`: a call of R
+rows generates turn k of all its running rows in one batched decode that runs until the longest row stops, then
+steps their envs concurrently, and releases its R trajectories together when its last row ends):
+
+    "lockstep": {"rows": R, "gen_tokens": [...], "turns": [...], "tool_latency_s": [...],   # measured samples
+                 "tokens_per_s": ..., "turn_overhead_s": ..., "call_overhead_s": ...},
+    "settings": {"async/sao": {"num_slots": 6, "step_time_s": {...}, "lockstep": {"slowdown": 1.4}}, ...}
+
+A simulator slot is then one actor thread and its episode one call (`lockstep_call_durations`, with the
+setting's `slowdown` of generation: CPU shared with the other actor threads and the learner); `batch_size` counts
+calls per learner step, and the predicted trajectories/s is the simulator's calls/s x R. "settings" overrides
+`config` fields per setting (e.g. one slot in sync mode, where the loop itself plays the batch's calls in turn,
+and each setting's measured learner step times).
 """
 
 from __future__ import annotations
@@ -33,9 +47,11 @@ from typing import Any
 
 from absl import app
 from absl import flags
+import numpy as np
 
 from sao_jax.errors import ConfigError
 from sao_jax.sim import simulator
+from sao_jax.sim.dists import Dist
 from sao_jax.sim.simulator import SimConfig
 
 SETTINGS = ('sync/sao', 'async/sao', 'sync/grpo', 'async/grpo')
@@ -54,13 +70,66 @@ def setting_config(base: SimConfig, setting: str, group_size: int) -> SimConfig:
   return dataclasses.replace(base, mode=mode, group_size=1 if algo == 'sao' else group_size).validate()
 
 
-def predict(base: SimConfig, group_size: int) -> dict[str, dict[str, float]]:
-  """{setting: {metric: predicted}} for every setting."""
+def lockstep_call_durations(lockstep: dict[str, Any], n: int, *, slowdown: float = 1.0,
+                            seed: int = 0) -> np.ndarray:
+  """Wall times (s) of `n` batched calls of `rows` lock-stepped episodes (see the module docstring):
+
+    T = call_overhead_s + sum_{k=1..K} [ slowdown * (turn_overhead_s + max_{i: n_i >= k} g_ik / tokens_per_s)
+                                         + max_{i: n_i > k} L_ik ],   K = max_i n_i,
+
+  row i of a call having n_i turns (resampled from `turns`), turn k generating g_ik tokens (from `gen_tokens`)
+  and, but on its last turn, calling a tool for L_ik seconds (from `tool_latency_s`): a turn's decode runs until
+  its longest running row stops, and its env steps run concurrently (it waits for the slowest tool call).
+  """
+  rng = np.random.default_rng(seed)
+  rows = int(lockstep['rows'])
+  turns = rng.choice(np.asarray(lockstep['turns'], np.int64), size=(n, rows))
+  k_max = int(turns.max())
+  gen = rng.choice(np.asarray(lockstep['gen_tokens'], float), size=(n, rows, k_max))
+  tool = rng.choice(np.asarray(lockstep['tool_latency_s'], float), size=(n, rows, k_max))
+  k = np.arange(k_max)
+  active = k[None, None, :] < turns[:, :, None]  # Row i generates turn k.
+  calls_tool = k[None, None, :] < turns[:, :, None] - 1  # ... and calls a tool after it.
+  decode = np.max(np.where(active, gen, 0.0), axis=1) / float(lockstep['tokens_per_s'])
+  turn_exists = active.any(axis=1)
+  generate = np.sum(np.where(turn_exists, float(lockstep['turn_overhead_s']) + decode, 0.0), axis=1)
+  wait = np.sum(np.max(np.where(calls_tool, tool, 0.0), axis=1), axis=1)
+  return float(lockstep.get('call_overhead_s', 0.0)) + slowdown * generate + wait
+
+
+def _lockstep_config(cfg: SimConfig, lockstep: dict[str, Any], slowdown: float, n: int = 4096) -> SimConfig:
+  """`cfg` whose slots are actor threads and whose episodes are batched calls (durations as samples)."""
+  durations = lockstep_call_durations(lockstep, n, slowdown=slowdown, seed=cfg.seed)
+  return dataclasses.replace(cfg, tokens_per_s=1.0, gen_tokens=Dist('cycle', values=tuple(durations.tolist())),
+                             turns=Dist('constant', 1.0), obs_tokens=Dist('constant', 0.0),
+                             tool_latency_s=Dist('constant', 0.0), prompt_tokens=0.0)
+
+
+def predict(base: SimConfig, group_size: int, *, settings: dict[str, dict[str, Any]] | None = None,
+            lockstep: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
+  """{setting: {metric: predicted}} for every setting (`settings`/`lockstep`: see the module docstring)."""
   out = {}
   for setting in SETTINGS:
-    r = simulator.simulate(setting_config(base, setting, group_size))
-    out[setting] = {'trajectories_per_s': r.trained_per_s, 'learner_idle_fraction': 1.0 - r.learner_utilisation}
+    over = dict((settings or {}).get(setting, {}))
+    step = dict(over.pop('lockstep', {}))
+    cfg = _override(base, over)
+    per_episode = 1
+    if lockstep is not None:
+      cfg = _lockstep_config(cfg, lockstep, float(step.get('slowdown', 1.0)))
+      per_episode = int(lockstep['rows'])
+    r = simulator.simulate(setting_config(cfg, setting, group_size))
+    out[setting] = {'trajectories_per_s': r.trained_per_s * per_episode,
+                    'learner_idle_fraction': 1.0 - r.learner_utilisation,
+                    'staleness_mean': float(r.staleness.mean()) if r.staleness.size else math.nan}
   return out
+
+
+def _override(base: SimConfig, over: dict[str, Any]) -> SimConfig:
+  """`base` with the SimConfig fields of `over` (read as `SimConfig.from_dict` reads them)."""
+  if not over:
+    return base
+  parsed = SimConfig.from_dict(over)
+  return dataclasses.replace(base, **{k: getattr(parsed, k) for k in over})
 
 
 def compare(measurements: dict[str, Any]) -> list[dict[str, Any]]:
@@ -72,7 +141,11 @@ def compare(measurements: dict[str, Any]) -> list[dict[str, Any]]:
   unknown = set(measured) - set(SETTINGS)
   if unknown:
     raise ConfigError(f'calibrate: measured settings {sorted(unknown)} not in {SETTINGS}')
-  predicted = predict(base, int(measurements.get('group_size', 4)))
+  unknown = set(measurements.get('settings', {})) - set(SETTINGS)
+  if unknown:
+    raise ConfigError(f'calibrate: settings {sorted(unknown)} not in {SETTINGS}')
+  predicted = predict(base, int(measurements.get('group_size', 4)), settings=measurements.get('settings'),
+                      lockstep=measurements.get('lockstep'))
   rows = []
   for setting in SETTINGS:
     for metric in METRICS:

@@ -1,6 +1,8 @@
 """The one episode runner: multi-turn layout (both observation modes), truncation layouts, groups, versions,
 timing, out-of-vocabulary ids, batching, and the KV-cache backend against independent references."""
 
+import collections
+import threading
 from unittest import mock
 
 from absl.testing import absltest
@@ -172,7 +174,47 @@ class TruncationLayoutTest(parameterized.TestCase):
     self.assertFalse(traj.truncated)
 
 
+class _ThreadClock:
+  """A fake clock per thread: `clock[0]` reads / advances the calling thread's time (threads start at 0)."""
+
+  def __init__(self):
+    self._t = collections.defaultdict(float)
+
+  def __getitem__(self, i):
+    return self._t[threading.get_ident()]
+
+  def __setitem__(self, i, value):
+    self._t[threading.get_ident()] = value
+
+
+class _BarrierEnv(base.BaseEnv):
+  """Each step waits at a barrier shared by all rows: steps that ran one after another would break it."""
+  observation_mode = 'inline'
+
+  def __init__(self, example, barrier):
+    super().__init__(example, max_turns=3)
+    self.barrier = barrier
+
+  def _step(self, action_text):
+    self.barrier.wait()
+    return base.StepResult('<result>1</result>', 0.0, False, {}) if self.turn < 2 else \
+        base.StepResult(None, 1.0, True, {})
+
+
 class RunnerTest(parameterized.TestCase):
+
+  def test_env_steps_of_a_turn_run_concurrently(self):
+    """The rows of one turn step their envs at once: a turn waits for its slowest tool call, not the sum."""
+    rows = 4
+    barrier = threading.Barrier(rows, timeout=10.0)
+    example = base.Example(uid='x', prompt='hi', answer='1')
+    eos = self.tok.eos_id
+    backend = rollout.ContextBackend(lambda c, n, s: ([eos], [0.0]), self.tok.stop_ids)
+    got = rollout.run_episodes(backend, self.tok, [_BarrierEnv(example, barrier) for _ in range(rows)],
+                               limits=rollout.EpisodeLimits(3, 8, 128), decoding=SamplingParams(),
+                               seeds=list(range(rows)))
+    self.assertEqual([t.info.get('error') for t in got], [None] * rows)
+    self.assertEqual([(t.reward, t.info['num_turns']) for t in got], [(1.0, 2)] * rows)
 
   def setUp(self):
     super().setUp()
@@ -240,7 +282,7 @@ class RunnerTest(parameterized.TestCase):
 
   def test_timing_per_row(self):
     """Generation seconds = the backend calls a row took part in; env seconds = its own steps (fake clock)."""
-    clock = [0.0]
+    clock = _ThreadClock()  # The rows' env steps run in threads of their own: one fake clock per thread.
     task = _calculator_task('inline', max_turns=3)
     examples = task.eval_set()[:2]
     call, _ = calculator.demo_actions(examples[0])
