@@ -228,7 +228,10 @@ def run(config: Any) -> dict[str, Any]:
     backend = eval_lib.make_backend(model, tokenizer, task, config, batch_size=episodes_per_call, version=version)
     return actor_lib.Actor(backend, tokenizer, task, prompts, publisher=publisher, limits=limits,
                            decoding=decoding, seed=int(config.seed), group_size=group_size,
-                           episodes_per_call=episodes_per_call, weight_switch=str(tr.weight_switch))
+                           episodes_per_call=episodes_per_call, weight_switch=str(tr.weight_switch),
+                           # Continuous batching (hook added by the `cb` helper, issue 15).
+                           continuous=bool(config.sampler.continuous),
+                           decode_steps=int(config.sampler.decode_steps))
 
   queue = trajectory_queue.TrajectoryQueue(
       int(tr.queue_size), group_size=group_size, max_staleness=int(tr.max_staleness),

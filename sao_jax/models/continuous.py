@@ -188,8 +188,8 @@ class SlotSampler:
   """
 
   def __init__(self, source: SnapshotSource, *, num_slots: int, max_seq_len: int, stop_ids: Sequence[int],
-               pad_id: int, chunk_buckets: Sequence[int] = (16, 32, 64, 128), decode_steps: int = 8,
-               num_windows: int = 4):
+               pad_id: int, chunk_buckets: Sequence[int] = (16, 64), decode_steps: int = 16,
+               num_windows: int = 8):
     if num_slots < 1 or decode_steps < 1 or max_seq_len < 2:
       raise ValueError(f'SlotSampler: num_slots={num_slots}, decode_steps={decode_steps} and max_seq_len='
                        f'{max_seq_len} must be >= 1, 1 and 2.')
@@ -208,7 +208,8 @@ class SlotSampler:
     granule = 64
     self.cache_len = -(-(self.max_seq_len + self.chunk_buckets[-1]) // granule) * granule
     self.windows = decode_windows(self.cache_len, granule=granule, max_segments=max(1, int(num_windows)))
-    self.row_buckets = tuple(sorted({min(_next_pow2(p), self.num_slots) for p in range(1, self.num_slots + 1)}))
+    # Admission rows: powers of 4 up to the slot count (few programs; a partly filled admission is cheap).
+    self.row_buckets = tuple(sorted({min(4 ** k, self.num_slots) for k in range(16) if 4 ** (k - 1) < self.num_slots}))
     fresh = functools.partial
     self._admit = jax.jit(fresh(_admit_impl), static_argnums=(0,), donate_argnums=(2,))
     self._decode = jax.jit(fresh(_decode_impl), static_argnums=(0, 1), donate_argnums=(3,))

@@ -124,8 +124,12 @@ def start_episode(env: Env, group_id: int, rules: EpisodeRules) -> Episode:
 
 
 def turn_budget(ep: Episode, limits: EpisodeLimits) -> int:
-  """New tokens the episode's next turn may generate: `min(max_new_tokens, max_seq_len - len(context))`."""
-  return min(limits.max_new_tokens, limits.max_seq_len - len(ep.context))
+  """New tokens the episode's next turn may generate: `min(max_new_tokens, max_seq_len - len(context))`, and at
+  most `env.turn_token_budget(turn_index)` for an env that has one (synthetic workloads that force turn
+  lengths on a model that does not stop on its own: `sao_jax.benchmarks.rollout`)."""
+  budget = min(limits.max_new_tokens, limits.max_seq_len - len(ep.context))
+  cap = getattr(ep.env, 'turn_token_budget', None)
+  return budget if cap is None else min(budget, int(cap(len(ep.turns))))
 
 
 def absorb(ep: Episode, gen: Generation, rules: EpisodeRules) -> list[int] | None:
@@ -137,7 +141,8 @@ def absorb(ep: Episode, gen: Generation, rules: EpisodeRules) -> list[int] | Non
   turn = layout.Turn(gen.ids, gen.logprobs, policy_logprobs=gen.policy_logprobs, version=gen.version)
   ep.turns.append(turn)
   ep.context += gen.ids
-  if not (gen.ids and gen.ids[-1] in rules.stop_ids):
+  # An env with `budget_ends_turn` (synthetic workloads) takes a turn that used its budget as finished.
+  if not (gen.ids and (gen.ids[-1] in rules.stop_ids or getattr(ep.env, 'budget_ends_turn', False))):
     ep.cut('max_new_tokens')  # Ends mid-turn, on an action token.
     return None
   action_text = layout.safe_decode(tokenizer, gen.ids)

@@ -3,6 +3,7 @@ the plain forward pass: the same greedy episodes in any arrival order (multi-tur
 written in pieces), behaviour and policy log-probs of the plain forward, no recompiles as slots refill, and
 weight swaps recorded per token. One tiny model, one set of compiled shapes for the whole file."""
 
+import itertools
 import threading
 
 from absl.testing import absltest
@@ -14,6 +15,7 @@ from sao_jax.envs import base
 from sao_jax.models import logprobs as logprobs_lib
 from sao_jax.models.continuous import SlotSampler
 from sao_jax.models.sampling import SamplingParams
+from sao_jax.rollout import actor as actor_lib
 from sao_jax.rollout.continuous import ContinuousRunner, run_continuous
 from sao_jax.tokenizers import CharTokenizer
 from tests.rollout import helpers
@@ -156,6 +158,59 @@ class ContinuousTest(absltest.TestCase):
         if key == 'fast':
           released.set()
     self.assertEqual(finished, ['fast', 'slow'])
+
+  def test_actor_streams_whole_groups_of_the_static_episodes(self):
+    """The Actor with `continuous=True`: `play` (sync mode) and its thread's streaming loop (async mode) give
+    whole groups, in prompt order for `play`, with the static sampler's greedy episodes."""
+    n = len(self.examples)
+    want = rollout.run_episodes(self.backend, self.tok, self._envs(range(n)), limits=self.limits,
+                                decoding=_GREEDY, seeds=list(range(n)))
+    publisher = actor_lib.WeightPublisher()
+    publisher.publish(self.model, version=4)
+    prompts = actor_lib.PromptSource(itertools.cycle(self.examples))
+    actor = actor_lib.Actor(self.backend, self.tok, self.task, prompts, publisher=publisher, limits=self.limits,
+                            decoding=_GREEDY, seed=0, group_size=2, episodes_per_call=2, continuous=True,
+                            slot_sampler=self.slots)
+    items = actor.play(2)
+    queue = _ListQueue(stop_after=3)
+    thread = actor_lib.ActorThread(actor, queue)
+    queue.thread = thread
+    thread.run()  # In this thread: returns when the stub queue has 3 items.
+    self.assertIsNone(thread.error)
+    items += queue.items
+    self.assertEqual([it[0].info['prompt_number'] for it in items[:2]], [0, 1])
+    self.assertEqual(sorted(it[0].info['prompt_number'] for it in items[2:]), [2, 3, 4])
+    for item in items:
+      self.assertLen(item, 2)
+      number = item[0].info['prompt_number']
+      for t in item:
+        self.assertEqual(t.group_id, number)
+        np.testing.assert_array_equal(t.tokens, want[number % n].tokens)
+    self.assertEqual(actor.generated_tokens, sum(t.num_action_tokens for it in items for t in it))
+    self.assertEqual(queue.reserved, 2 * 5 - 2 * 2)  # Every started prompt reserved its group's room.
+    self.assertEqual(self.slots.num_compiled(), self.compiled)
+
+
+class _ListQueue:
+  """A stub `TrajectoryQueue`: unbounded, records reservations and items; stops the thread after N items."""
+
+  def __init__(self, stop_after):
+    self.items, self.reserved, self.stop_after, self.thread = [], 0, stop_after, None
+
+  def reserve(self, n, timeout=None):
+    del timeout
+    self.reserved += n
+    return True
+
+  def release(self, n):
+    self.reserved -= n
+
+  def put(self, item, timeout=None, *, reserved=False):
+    del timeout, reserved
+    self.items.append(item)
+    if len(self.items) >= self.stop_after:
+      self.thread.stop()
+    return True
 
 
 def _turn_actions(t):
