@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Protocol, Sequence
 
 import jax
