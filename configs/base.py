@@ -89,6 +89,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.prompt_buckets = (32, 64, 128, 256)  # Prompt lengths are padded up to one of these (bounded compiles).
   s.batch_size = 16  # Prompts generated together in one sampler call.
   s.num_threads = 1  # Host sampler threads (async mode).
+  s.continuous = False  # Actors play through continuous batching (batch_size decode slots refilled as episodes end).
+  s.decode_steps = 16  # Continuous batching: decode steps per device call (newcomers are admitted between calls).
 
   # ---- Task / environment.
   c.task = t = ml_collections.ConfigDict()

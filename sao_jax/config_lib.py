@@ -179,6 +179,8 @@ FIELDS: dict[str, Check] = {
     'sampler.prompt_buckets': _buckets(),
     'sampler.batch_size': _int(ge=1),
     'sampler.num_threads': _int(ge=1),
+    'sampler.continuous': Check(bool),
+    'sampler.decode_steps': _int(ge=1),
     # ---- task (registry.validate_task_config: name, max_turns, eval_size, kwargs by the task's options)
     'task.name': Check(str),
     'task.max_turns': Check(int),

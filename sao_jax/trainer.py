@@ -355,7 +355,9 @@ def run(config: Any) -> dict[str, Any]:
     return actor_lib.Actor(backend, tokenizer, task, prompts, publisher=publisher, limits=limits,
                            decoding=decoding, seed=int(config.seed), group_size=group_size,
                            episodes_per_call=episodes_per_call, weight_switch=str(tr.weight_switch),
-                           step_timeout_s=float(config.task.step_timeout_s) or None)
+                           step_timeout_s=float(config.task.step_timeout_s) or None,
+                           continuous=bool(config.sampler.continuous),  # Continuous batching (issue 15).
+                           decode_steps=int(config.sampler.decode_steps))
 
   queue = trajectory_queue.TrajectoryQueue(
       int(tr.queue_size), group_size=group_size, max_staleness=int(tr.max_staleness),

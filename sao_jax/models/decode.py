@@ -15,7 +15,8 @@ tests compare the two) in a graph shaped for decoding on any backend:
   `[B, K, S, H]`, so that single-token attention is two fused multiply-reduce passes over the cache (a batched
   `[G, H] x [H, S]` matmul per (row, kv head) is ~1.8x slower on CPU); chunks of T > 1 tokens use batched
   matmuls. Every row writes the chunk at the same slot `index` (a scalar), so the write is an in-place
-  `dynamic_update_slice`, never a scatter;
+  `dynamic_update_slice`, never a scatter; a slot-major cache (`init_cache(..., per_row_index=True)`, the
+  continuous-batching sampler's) has one write slot per row instead (`index [B]`, a per-row update);
 * `window`: a static bound on the slots attention reads, so a cache preallocated for a long episode costs
   attention over its filled part only (the sampler buckets it).
 
@@ -81,7 +82,8 @@ class DecodeCache:
     k: per layer `[B, K, H, S]` keys after RoPE (slot-minor).
     v: per layer `[B, K, S, H]` values.
     valid: bool `[B, S]`, True where the slot holds a real token of the row.
-    index: int32 scalar, the next slot to write (the same for every row).
+    index: int32 scalar, the next slot to write (the same for every row), or int32 `[B]`, one per row (a
+      slot-major cache whose rows are independent sequences, e.g. continuous batching).
     positions: int32 `[B]`, the RoPE position of each row's next token.
   """
   k: tuple[Array, ...]
@@ -103,14 +105,16 @@ class DecodeCache:
     return self.k[0].dtype
 
 
-def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = None) -> DecodeCache:
-  """An empty cache of `batch_size` rows and `max_len` slots, in `dtype` (default: compute dtype)."""
+def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = None, *,
+               per_row_index: bool = False) -> DecodeCache:
+  """An empty cache of `batch_size` rows and `max_len` slots, in `dtype` (default: compute dtype); with
+  `per_row_index`, every row has its own write slot (`index [B]`)."""
   dt = jnp.dtype(cfg.dtype if dtype is None else dtype)
   b, k, h = batch_size, cfg.num_kv_heads, cfg.head_dim
   return DecodeCache(
       k=tuple(jnp.zeros((b, k, h, max_len), dt) for _ in range(cfg.num_layers)),
       v=tuple(jnp.zeros((b, k, max_len, h), dt) for _ in range(cfg.num_layers)),
-      valid=jnp.zeros((b, max_len), bool), index=jnp.zeros((), jnp.int32),
+      valid=jnp.zeros((b, max_len), bool), index=jnp.zeros((b,) if per_row_index else (), jnp.int32),
       positions=jnp.zeros((b,), jnp.int32))
 
 
@@ -194,12 +198,13 @@ def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens
   Args:
     cfg: model config (static).
     weights: `decode_weights(model)`.
-    cache: the cache; needs `index + T <= S` (the caller guarantees it: XLA clamps writes past the end).
+    cache: the cache; needs `index + T <= S` (the caller guarantees it: XLA clamps writes past the end). With a
+      per-row `index [B]`, row b writes at its own `index[b]` and attends to slots `s <= index[b] + t`.
     tokens: int32 `[B, T]`.
     valid: bool `[B, T]`, False on padding.
     positions: optional int32 `[B, T]` RoPE positions (default: `cache.positions[b]` onwards on the real
       tokens, see the module docstring).
-    window: static; attend only over slots `[0, window)` (the caller guarantees `index + T <= window`).
+    window: static; attend only over slots `[0, window)` (the caller guarantees `max(index) + T <= window`).
     all_positions: static; return the hidden states of every position, not only the last.
 
   Returns:
@@ -217,11 +222,19 @@ def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens
   chex.assert_shape(positions, (b, t))
   positions = positions.astype(jnp.int32)
   cos, sin = rope_tables(positions, rope_inv_freq(cfg))
-  slot_valid = jax.lax.dynamic_update_slice(cache.valid, valid, (jnp.zeros((), jnp.int32), cache.index))
+  per_row = cache.index.ndim == 1
+  if per_row:  # Row b writes at its own slot index[b] (a per-row update: a scatter of T slots per row).
+    chex.assert_shape(cache.index, (b,))
+    write = lambda x, u, axis: jax.vmap(
+        lambda xr, ur, i: jax.lax.dynamic_update_slice_in_dim(xr, ur, i, axis=axis - 1))(x, u, cache.index)
+    query_slots = cache.index[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+  else:
+    write = lambda x, u, axis: jax.lax.dynamic_update_slice_in_dim(x, u, cache.index, axis=axis)
+    query_slots = jnp.broadcast_to(cache.index + jnp.arange(t, dtype=jnp.int32), (b, t))
+  slot_valid = write(cache.valid, valid, 1)
   window = s if window is None else min(window, s)
   slots = jnp.arange(window, dtype=jnp.int32)
-  query_slots = cache.index + jnp.arange(t, dtype=jnp.int32)
-  mask = slot_valid[:, None, :window] & (slots[None, None, :] <= query_slots[None, :, None])  # [B, T, W]
+  mask = slot_valid[:, None, :window] & (slots[None, None, :] <= query_slots[:, :, None])  # [B, T, W]
   scale = h ** -0.5
   # Orientation of the activations (static, by M = B * T): 'col' x [D, M] (W @ x) or 'row' x [M, D] (x @ W^T).
   m = b * t
@@ -243,7 +256,6 @@ def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens
   x = jnp.take(weights.embed, tokens.reshape(m), axis=0).astype(dt)
   if col:
     x = x.T
-  zero = jnp.zeros((), jnp.int32)
   new_k, new_v = [], []
   for i, lw in enumerate(weights.layers):
     y = rms_norm(x, vec(lw.attn_norm), cfg.norm_eps, axis=axis)
@@ -256,10 +268,8 @@ def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens
     if lw.q_norm is not None:
       q, k = rms_norm(q, lw.q_norm, cfg.norm_eps), rms_norm(k, lw.k_norm, cfg.norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache = jax.lax.dynamic_update_slice(cache.k[i], k.transpose(0, 2, 3, 1).astype(cache.k[i].dtype),
-                                           (zero, zero, zero, cache.index))
-    v_cache = jax.lax.dynamic_update_slice(cache.v[i], v.transpose(0, 2, 1, 3).astype(cache.v[i].dtype),
-                                           (zero, zero, cache.index, zero))
+    k_cache = write(cache.k[i], k.transpose(0, 2, 3, 1).astype(cache.k[i].dtype), 3)
+    v_cache = write(cache.v[i], v.transpose(0, 2, 1, 3).astype(cache.v[i].dtype), 2)
     new_k.append(k_cache)
     new_v.append(v_cache)
     if window < s:

@@ -6,6 +6,10 @@
     items = actor.play()           # sync mode: one call of the episode runner, items of whole groups
     thread = ActorThread(actor, queue); thread.start()    # async mode: play -> queue.put, until stopped
 
+With `continuous=True` (`config.sampler.continuous`) the actor plays through continuous batching
+(`sao_jax.rollout.continuous`): `episodes_per_call` decode slots refilled as episodes end; in async mode its
+thread streams (a prompt enters when a slot frees and the queue has room; an item is put when its episodes end).
+
 Weights. `WeightPublisher.publish` copies the learner's policy state onto the actors' sharding (one jitted
 copy, dispatched asynchronously: the learner does not wait for it, and the copy survives the learner donating
 its own buffers at the next update). An actor compares versions at every turn (`weight_switch='turn'`,
@@ -34,8 +38,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sao_jax import types
 from sao_jax.envs.base import Example, ExampleIterator, Task
+from sao_jax.models.continuous import SlotSampler
 from sao_jax.models.sampling import SamplingParams
 from sao_jax.rollout.backends import SamplerBackend
+from sao_jax.rollout.continuous import ContinuousRunner
 from sao_jax.rollout.episodes import EpisodeLimits, episode_seed, run_episodes
 from sao_jax.rollout.trajectory_queue import QueueClosed, TrajectoryQueue
 from sao_jax.tokenizers import Tokenizer
@@ -137,8 +143,11 @@ class _FollowingBackend:
     self.per_turn = per_turn
     self.stop_ids = inner.stop_ids
 
+  def newer(self) -> bool:
+    return self.publisher.version > self.inner.sampler.version
+
   def refresh(self) -> None:
-    if self.publisher.version > self.inner.sampler.version:
+    if self.newer():
       model, version = self.publisher.latest()
       self.inner.update_weights(model, version=version)
 
@@ -168,12 +177,18 @@ class Actor:
       whole groups).
     weight_switch: 'turn' or 'episode' (see the module docstring).
     step_timeout_s: wall-clock bound of one env step.
+    continuous: play through continuous batching (`config.sampler.continuous`): `episodes_per_call` decode
+      slots of a `SlotSampler` over the backend's sampler (same weights), refilled as episodes end; newer
+      weights are taken between decode chunks ('turn') or between episodes ('episode').
+    decode_steps: decode steps per continuous chunk (`config.sampler.decode_steps`).
+    slot_sampler: an existing `SlotSampler` over `backend.sampler` to reuse (keeps its compiled programs).
   """
 
   def __init__(self, backend: SamplerBackend, tokenizer: Tokenizer, task: Task, prompts: PromptSource, *,
                publisher: WeightPublisher, limits: EpisodeLimits, decoding: SamplingParams, seed: int,
                group_size: int = 1, episodes_per_call: int = 16, weight_switch: str = 'turn',
-               step_timeout_s: float | None = None):
+               step_timeout_s: float | None = None, continuous: bool = False, decode_steps: int = 16,
+               slot_sampler: SlotSampler | None = None):
     if weight_switch not in WEIGHT_SWITCHES:
       raise ValueError(f'weight_switch={weight_switch!r} is not one of {WEIGHT_SWITCHES}.')
     self.backend = _FollowingBackend(backend, publisher, per_turn=weight_switch == 'turn')
@@ -187,25 +202,82 @@ class Actor:
     self.prompts_per_call = max(1, int(episodes_per_call) // self.group_size)
     self.step_timeout_s = step_timeout_s
     self.generated_tokens = 0  # Action tokens generated so far (the trainer's actor tokens/s).
+    self.runner: ContinuousRunner | None = None
+    if continuous:
+      slots = slot_sampler or SlotSampler(backend.sampler, num_slots=self.prompts_per_call * self.group_size,
+                          max_seq_len=limits.max_seq_len, stop_ids=backend.stop_ids, pad_id=backend.pad_id,
+                          decode_steps=decode_steps)
+      self.runner = ContinuousRunner(slots, tokenizer, limits=limits, decoding=decoding,
+                                     step_timeout_s=step_timeout_s, follower=self.backend,
+                                     per_episode_weights=weight_switch == 'episode')
+    self._groups: dict[int, list[types.Trajectory]] = {}
 
-  def play(self, num_prompts: int | None = None) -> list[list[types.Trajectory]]:
-    """One call of the episode runner on `num_prompts` prompts (default: a full call); returns items (one
-    trajectory, or one prompt's whole group)."""
-    taken = self.prompts.take(self.prompts_per_call if num_prompts is None else int(num_prompts))
+  @property
+  def continuous(self) -> bool:
+    return self.runner is not None
+
+  def _episodes(self, taken):
     envs, seeds, group_ids = [], [], []
     for number, example in taken:
       for j in range(self.group_size):
         envs.append(self.task.make_env(example))
         seeds.append(episode_seed(self.seed, number, j))
         group_ids.append(number)
-    trajs = run_episodes(self.backend, self.tokenizer, envs, limits=self.limits, decoding=self.decoding,
-                         seeds=seeds, group_ids=group_ids, step_timeout_s=self.step_timeout_s)
+    return envs, seeds, group_ids
+
+  def _done(self, t: types.Trajectory, number: int, uid: str) -> None:
+    t.info.setdefault('prompt_number', number)
+    t.info.setdefault('uid', uid)
+    self.generated_tokens += t.num_action_tokens
+
+  def play(self, num_prompts: int | None = None) -> list[list[types.Trajectory]]:
+    """One call of the episode runner on `num_prompts` prompts (default: a full call); returns items (one
+    trajectory, or one prompt's whole group), in prompt order. (Continuous: the call's episodes stream through
+    the slots and the call ends when all of them have; `submit` / `collect` stream across calls.)"""
+    taken = self.prompts.take(self.prompts_per_call if num_prompts is None else int(num_prompts))
+    envs, seeds, group_ids = self._episodes(taken)
+    if self.runner is not None:
+      self.runner.submit(envs, seeds=seeds, group_ids=group_ids, keys=list(range(len(envs))))
+      done = dict(self.runner.run())
+      trajs = [done[i] for i in range(len(envs))]
+    else:
+      trajs = run_episodes(self.backend, self.tokenizer, envs, limits=self.limits, decoding=self.decoding,
+                           seeds=seeds, group_ids=group_ids, step_timeout_s=self.step_timeout_s)
     for t, (number, example) in zip(trajs, [x for x in taken for _ in range(self.group_size)]):
-      t.info.setdefault('prompt_number', number)
-      t.info.setdefault('uid', example.uid)
-    self.generated_tokens += sum(t.num_action_tokens for t in trajs)
+      self._done(t, number, example.uid)
     g = self.group_size
     return [trajs[i:i + g] for i in range(0, len(trajs), g)]
+
+  # ---- Streaming (continuous batching; `ActorThread` drives these).
+
+  def room(self) -> int:
+    """Prompts (whole groups) the continuous runner can start now without leaving a slot idle."""
+    return max(0, self.runner.free_slots) // self.group_size
+
+  def submit(self, num_prompts: int) -> None:
+    """Takes `num_prompts` prompts and queues their episodes in the continuous runner."""
+    taken = self.prompts.take(num_prompts)
+    envs, seeds, group_ids = self._episodes(taken)
+    keys = [(number, example.uid) for number, example in taken for _ in range(self.group_size)]
+    self.runner.submit(envs, seeds=seeds, group_ids=group_ids, keys=keys)
+
+  def collect(self) -> list[list[types.Trajectory]]:
+    """One step of the continuous runner; returns the items (whole groups) completed by it."""
+    items = []
+    for (number, uid), t in self.runner.step():
+      self._done(t, number, uid)
+      group = self._groups.setdefault(number, [])
+      group.append(t)
+      if len(group) == self.group_size:
+        items.append(self._groups.pop(number))
+    return items
+
+  def abandon(self) -> int:
+    """Drops every episode in flight (after a failure); returns how many trajectories will not come."""
+    n = self.runner.pending + sum(len(g) for g in self._groups.values())  # Reserved, not put.
+    self.runner.reset()
+    self._groups.clear()
+    return n
 
 
 class ActorThread(threading.Thread):
@@ -229,6 +301,9 @@ class ActorThread(threading.Thread):
     self._stop_event.set()
 
   def run(self) -> None:
+    if self.actor.continuous:
+      self._run_continuous()
+      return
     consecutive = 0
     n = self.actor.prompts_per_call * self.actor.group_size
     while not self._stop_event.is_set():
@@ -256,6 +331,38 @@ class ActorThread(threading.Thread):
       except QueueClosed:
         return
 
+
+  def _run_continuous(self) -> None:
+    """Continuous batching: prompts enter as slots free up (each reserving its room in the queue first) and
+    items are put as their episodes finish; no call boundary, so no slot waits for a batch to drain."""
+    actor, g = self.actor, self.actor.group_size
+    consecutive = 0
+    while not self._stop_event.is_set():
+      try:
+        while actor.room() > 0 and self.queue.reserve(g, timeout=0.0 if actor.runner.pending else 1.0):
+          actor.submit(1)
+        if not actor.runner.pending:
+          continue
+        items = actor.collect()
+      except QueueClosed:
+        return
+      except Exception as e:  # pylint: disable=broad-except  (logged, counted; the loop goes on)
+        self.queue.release(actor.abandon())
+        self.failures += 1
+        consecutive += 1
+        self.error = e
+        logging.exception('%s: continuous episodes failed (%d in a row): %s', self.name, consecutive, e)
+        if consecutive >= self.max_consecutive_failures:
+          logging.error('%s: stopping after %d consecutive failures.', self.name, consecutive)
+          return
+        continue
+      if items:
+        consecutive = 0
+      try:
+        for item in items:
+          self.queue.put(item, reserved=True)
+      except QueueClosed:
+        return
 
 def play_rows(actor: Actor, rows: int) -> list[types.Trajectory]:
   """Sync mode: exactly `rows` trajectories (whole groups) from calls of at most one full call each."""

@@ -33,6 +33,7 @@ mass, 0). `run_episode` plays one episode with a per-episode generate function (
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -71,7 +72,9 @@ class EpisodeLimits:
 
 
 @dataclasses.dataclass
-class _Episode:
+class Episode:
+  """One running episode (host side), shared by the static runner here and the continuous one
+  (`sao_jax.rollout.continuous`)."""
   env: Env
   messages: list[Message]
   prompt_ids: list[int]
@@ -89,6 +92,107 @@ class _Episode:
   def cut(self, cut_by: str, *, bootstrappable: bool = True) -> None:
     self.truncated, self.done, self.bootstrappable = True, True, bootstrappable
     self.info.update(truncated=True, cut_by=cut_by)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeRules:
+  """What the per-episode steps (`start_episode`, `absorb`, `finish`) need; one per runner call."""
+  tokenizer: Tokenizer
+  limits: EpisodeLimits
+  stop_ids: frozenset[int]  # The backend's: a turn that ends on one of them ended on a stop token.
+  end_ids: frozenset[int]  # The tokenizer's end-of-turn ids.
+  decoding: SamplingParams
+  step_timeout_s: float | None = None
+
+  @classmethod
+  def make(cls, backend_stop_ids: Sequence[int], tokenizer: Tokenizer, envs: Sequence[Env], *,
+           limits: EpisodeLimits, decoding: SamplingParams, step_timeout_s: float | None = None) -> EpisodeRules:
+    """The rules of a call; refuses a backend that does not stop on the envs' stop texts."""
+    need = set().union(*(layout.stop_ids_for(env, tokenizer) for env in envs)) if envs else set()
+    if not need <= set(backend_stop_ids):
+      raise ValueError(f'The backend does not stop on token(s) {sorted(need - set(backend_stop_ids))} that the '
+                       f'{type(envs[0]).__name__} episodes need.')
+    return cls(tokenizer, limits, frozenset(int(i) for i in backend_stop_ids), frozenset(tokenizer.stop_ids),
+               decoding, step_timeout_s)
+
+
+def start_episode(env: Env, group_id: int, rules: EpisodeRules) -> Episode:
+  """Resets `env` and renders its prompt; refuses a prompt that does not fit `max_seq_len`."""
+  messages = env.reset()
+  prompt_ids, _ = rules.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+  prompt_ids = list(prompt_ids)
+  if len(prompt_ids) >= rules.limits.max_seq_len:
+    raise ValueError(f'A prompt of {len(prompt_ids)} tokens does not fit config.sampler.max_seq_len='
+                     f'{rules.limits.max_seq_len}.')
+  return Episode(env, messages, prompt_ids, list(prompt_ids), int(group_id))
+
+
+def turn_budget(ep: Episode, limits: EpisodeLimits) -> int:
+  """New tokens the episode's next turn may generate: `min(max_new_tokens, max_seq_len - len(context))`, and at
+  most `env.turn_token_budget(turn_index)` for an env that has one (synthetic workloads that force turn
+  lengths on a model that does not stop on its own: `sao_jax.benchmarks.rollout`)."""
+  budget = min(limits.max_new_tokens, limits.max_seq_len - len(ep.context))
+  cap = getattr(ep.env, 'turn_token_budget', None)
+  return budget if cap is None else min(budget, int(cap(len(ep.turns))))
+
+
+def absorb(ep: Episode, gen: Generation, rules: EpisodeRules) -> list[int] | None:
+  """Records a generated turn, steps the env; returns the observation ids (None when the episode ended).
+
+  Touches only `ep` (and its env): runners may call it for different episodes in different threads.
+  """
+  tokenizer, limits = rules.tokenizer, rules.limits
+  turn = layout.Turn(gen.ids, gen.logprobs, policy_logprobs=gen.policy_logprobs, version=gen.version)
+  ep.turns.append(turn)
+  ep.context += gen.ids
+  # An env with `budget_ends_turn` (synthetic workloads) takes a turn that used its budget as finished.
+  if not (gen.ids and (gen.ids[-1] in rules.stop_ids or getattr(ep.env, 'budget_ends_turn', False))):
+    ep.cut('max_new_tokens')  # Ends mid-turn, on an action token.
+    return None
+  action_text = layout.safe_decode(tokenizer, gen.ids)
+  t0 = time.perf_counter()
+  obs, reward, done, step_info = guarded_step(ep.env, action_text, timeout_s=rules.step_timeout_s)
+  ep.env_seconds += time.perf_counter() - t0
+  ep.info.update(step_info)
+  ep.reward = reward
+  limit_cut = done and bool(step_info.get('truncated', False))
+  if done and not limit_cut:  # Terminal (or an env error).
+    ep.done = True
+    return None
+  if obs is None:
+    if limit_cut:  # No final observation to keep: the row ends on a turn-closing stop token.
+      ep.cut(str(step_info.get('cut_by', 'max_turns')), bootstrappable=False)
+      return None
+    raise RuntimeError(f'{type(ep.env).__name__}.step returned no observation on a non-final turn.')
+  if ep.env.observation_mode == 'inline':
+    obs_ids = list(tokenizer.encode(obs))
+  else:
+    obs_ids = layout.message_observation_ids(tokenizer, ep.messages, action_text, gen.ids[-1] in rules.end_ids,
+                                             {'role': ep.env.observation_role, 'content': obs})
+    ep.messages = ep.messages + [{'role': 'assistant', 'content': action_text},
+                                 {'role': ep.env.observation_role, 'content': obs}]
+  if len(ep.context) + len(obs_ids) >= limits.max_seq_len:
+    ep.cut('max_seq_len', bootstrappable=False)  # The observation cannot be kept.
+    return None
+  turn.observation_ids = obs_ids
+  ep.context += obs_ids
+  if limit_cut:  # The final observation is kept: the row ends where the next turn would start.
+    ep.cut(str(step_info.get('cut_by', 'max_turns')))
+    return None
+  if len(ep.turns) >= max(ep.env.max_turns, 1):  # An env that does not enforce its own turn limit.
+    ep.cut('max_turns')
+    return None
+  return obs_ids
+
+
+def finish(ep: Episode, rules: EpisodeRules) -> types.Trajectory:
+  """The finished episode as a `Trajectory` (reward 0 after an env error)."""
+  reward = 0.0 if 'error' in ep.info else ep.reward
+  ep.info['num_turns'] = len(ep.turns)
+  return layout.episode_to_trajectory(
+      ep.prompt_ids, ep.turns, reward, truncated=ep.truncated, bootstrappable=ep.bootstrappable,
+      group_id=ep.group_id, greedy=rules.decoding.greedy, generate_seconds=ep.generate_seconds,
+      env_seconds=ep.env_seconds, info=ep.info)
 
 
 def run_episodes(backend: Backend, tokenizer: Tokenizer, envs: Sequence[Env], *, limits: EpisodeLimits,
@@ -118,67 +222,9 @@ def run_episodes(backend: Backend, tokenizer: Tokenizer, envs: Sequence[Env], *,
     raise ValueError(f'run_episodes: {len(seeds)} seeds and {len(group_ids)} group ids for {len(envs)} envs.')
   if not envs:
     return []
-  need = set().union(*(layout.stop_ids_for(env, tokenizer) for env in envs))
-  if not need <= set(backend.stop_ids):
-    raise ValueError(f'The backend does not stop on token(s) {sorted(need - set(backend.stop_ids))} that the '
-                     f'{type(envs[0]).__name__} episodes need.')
-  stop_ids = set(backend.stop_ids)
-  end_ids = set(tokenizer.stop_ids)
-  episodes = []
-  for env, group_id in zip(envs, group_ids):
-    messages = env.reset()
-    prompt_ids, _ = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    prompt_ids = list(prompt_ids)
-    if len(prompt_ids) >= limits.max_seq_len:
-      raise ValueError(f'A prompt of {len(prompt_ids)} tokens does not fit config.sampler.max_seq_len='
-                       f'{limits.max_seq_len}.')
-    episodes.append(_Episode(env, messages, prompt_ids, list(prompt_ids), group_id))
-
-  def budget(ep: _Episode) -> int:
-    return min(limits.max_new_tokens, limits.max_seq_len - len(ep.context))
-
-  def absorb(ep: _Episode, gen: Generation) -> list[int] | None:
-    """Records a generated turn, steps the env; returns the observation ids (None when the episode ended)."""
-    turn = layout.Turn(gen.ids, gen.logprobs, policy_logprobs=gen.policy_logprobs, version=gen.version)
-    ep.turns.append(turn)
-    ep.context += gen.ids
-    if not (gen.ids and gen.ids[-1] in stop_ids):
-      ep.cut('max_new_tokens')  # Ends mid-turn, on an action token.
-      return None
-    action_text = layout.safe_decode(tokenizer, gen.ids)
-    t0 = time.perf_counter()
-    obs, reward, done, step_info = guarded_step(ep.env, action_text, timeout_s=step_timeout_s)
-    ep.env_seconds += time.perf_counter() - t0
-    ep.info.update(step_info)
-    ep.reward = reward
-    limit_cut = done and bool(step_info.get('truncated', False))
-    if done and not limit_cut:  # Terminal (or an env error).
-      ep.done = True
-      return None
-    if obs is None:
-      if limit_cut:  # No final observation to keep: the row ends on a turn-closing stop token.
-        ep.cut(str(step_info.get('cut_by', 'max_turns')), bootstrappable=False)
-        return None
-      raise RuntimeError(f'{type(ep.env).__name__}.step returned no observation on a non-final turn.')
-    if ep.env.observation_mode == 'inline':
-      obs_ids = list(tokenizer.encode(obs))
-    else:
-      obs_ids = layout.message_observation_ids(tokenizer, ep.messages, action_text, gen.ids[-1] in end_ids,
-                                               {'role': ep.env.observation_role, 'content': obs})
-      ep.messages = ep.messages + [{'role': 'assistant', 'content': action_text},
-                                   {'role': ep.env.observation_role, 'content': obs}]
-    if len(ep.context) + len(obs_ids) >= limits.max_seq_len:
-      ep.cut('max_seq_len', bootstrappable=False)  # The observation cannot be kept.
-      return None
-    turn.observation_ids = obs_ids
-    ep.context += obs_ids
-    if limit_cut:  # The final observation is kept: the row ends where the next turn would start.
-      ep.cut(str(step_info.get('cut_by', 'max_turns')))
-      return None
-    if len(ep.turns) >= max(ep.env.max_turns, 1):  # An env that does not enforce its own turn limit.
-      ep.cut('max_turns')
-      return None
-    return obs_ids
+  rules = EpisodeRules.make(backend.stop_ids, tokenizer, envs, limits=limits, decoding=decoding,
+                            step_timeout_s=step_timeout_s)
+  episodes = [start_episode(env, group_id, rules) for env, group_id in zip(envs, group_ids)]
 
   def timed(call, *args, **kwargs):
     running = [ep for ep in episodes if not ep.done]
@@ -189,29 +235,22 @@ def run_episodes(backend: Backend, tokenizer: Tokenizer, envs: Sequence[Env], *,
       ep.generate_seconds += seconds
     return gens, handle
 
+  step_env = functools.partial(absorb, rules=rules)
   pool = _env_pool(len(episodes))
   try:
     gens, handle = timed(backend.first_turn, [ep.prompt_ids for ep in episodes],
-                         [budget(ep) for ep in episodes], decoding=decoding, seeds=list(seeds))
-    observations = _absorb_rows(pool, absorb, episodes, gens, [True] * len(episodes))
+                         [turn_budget(ep, limits) for ep in episodes], decoding=decoding, seeds=list(seeds))
+    observations = _absorb_rows(pool, step_env, episodes, gens, [True] * len(episodes))
     while not all(ep.done for ep in episodes):
       running = [not ep.done for ep in episodes]
       gens, handle = timed(backend.next_turn, handle, observations,
-                           [0 if ep.done else budget(ep) for ep in episodes], decoding=decoding)
-      observations = _absorb_rows(pool, absorb, episodes, gens, running)
+                           [0 if ep.done else turn_budget(ep, limits) for ep in episodes], decoding=decoding)
+      observations = _absorb_rows(pool, step_env, episodes, gens, running)
     del handle
   finally:
     if pool is not None:
       pool.shutdown(wait=True)
-  out = []
-  for ep in episodes:
-    reward = 0.0 if 'error' in ep.info else ep.reward
-    ep.info['num_turns'] = len(ep.turns)
-    out.append(layout.episode_to_trajectory(
-        ep.prompt_ids, ep.turns, reward, truncated=ep.truncated, bootstrappable=ep.bootstrappable,
-        group_id=ep.group_id, greedy=decoding.greedy, generate_seconds=ep.generate_seconds,
-        env_seconds=ep.env_seconds, info=ep.info))
-  return out
+  return [finish(ep, rules) for ep in episodes]
 
 
 # ---- Concurrent env steps: the rows of one turn step their envs at once (tool calls that wait on a sandbox or

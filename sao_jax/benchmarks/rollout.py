@@ -1,0 +1,194 @@
+r"""Rollout throughput on long-tailed episodes: static batches (`run_episodes`) vs continuous batching
+(`run_continuous`) at the same slot count.
+
+  python -m sao_jax.benchmarks.rollout [--model=tiny | --hf_dir=/path/to/smollm2-hf] \
+      [--episodes=128 --slots=16 --workloads=single,multi --repeats=2 --decode_steps=8]
+
+Workloads (the same episodes, the same seeds, for both runners):
+
+* `single`: one turn per episode; its length is drawn log-normal (median `--median_len`, sigma `--sigma`),
+  clipped to [`--min_len`, `--max_len`] tokens, and forced: it is the turn's token budget and no token stops a
+  turn (a random model does not stop on its own, except by chance on its end-of-turn token, which is off);
+* `multi`: `--turns` turns per episode, each with its own forced length drawn as above (median divided by the
+  number of turns), and after every turn a tool call whose wall time is log-normal (median `--tool_ms`),
+  clipped to [20, 500] ms (the env sleeps, as a sandbox or a remote tool would).
+
+The static runner plays `--slots` episodes at a time, turn by turn (a turn waits for its longest generation
+and the batch's env steps); the continuous runner keeps `--slots` decode slots busy and steps envs in a thread
+pool. Env steps of the static runner run one after the other inside a turn (as `run_episodes` does on this
+branch); the `static, env steps concurrent (est.)` row subtracts from its wall time the part of each turn's
+tool time that concurrent env steps would hide (sum - max of the turn's latencies), the best a static batch can
+do. Figures: completed episodes/s and generated (action) tokens/s, median of `--repeats` interleaved runs after
+one warm-up run of each (compilation excluded), with the machine's load average printed alongside.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from absl import app
+from absl import flags
+from flax import nnx
+import numpy as np
+
+from sao_jax import rollout
+from sao_jax.envs import base
+from sao_jax.models.config import get_model_config
+from sao_jax.models.continuous import SlotSampler
+from sao_jax.models.llama import Decoder
+from sao_jax.models.sampling import SamplingParams
+from sao_jax.rollout.continuous import run_continuous
+from sao_jax.tokenizers import CharTokenizer, get_tokenizer
+
+_MODEL = flags.DEFINE_string('model', 'tiny', 'Named model config (random weights) when --hf_dir is not given.')
+_HF_DIR = flags.DEFINE_string('hf_dir', '', 'HF directory (e.g. SmolLM2-135M-Instruct from the GGUF) to load.')
+_EPISODES = flags.DEFINE_integer('episodes', 128, 'Episodes per run.')
+_SLOTS = flags.DEFINE_integer('slots', 16, 'Decode slots (continuous) = batch size (static).')
+_WORKLOADS = flags.DEFINE_list('workloads', ['single', 'multi'], 'single and/or multi.')
+_REPEATS = flags.DEFINE_integer('repeats', 2, 'Timed runs of each runner (interleaved), after one warm-up.')
+_MEDIAN_LEN = flags.DEFINE_integer('median_len', 64, 'Median generated tokens of an episode.')
+_SIGMA = flags.DEFINE_float('sigma', 1.0, 'Log-normal sigma of the lengths and tool latencies.')
+_MIN_LEN = flags.DEFINE_integer('min_len', 16, 'Shortest episode (tokens).')
+_MAX_LEN = flags.DEFINE_integer('max_len', 512, 'Longest episode (tokens).')
+_TURNS = flags.DEFINE_integer('turns', 3, 'Turns of a multi-turn episode.')
+_TOOL_MS = flags.DEFINE_float('tool_ms', 80.0, 'Median tool latency (ms), clipped to [20, 500].')
+_DECODE_STEPS = flags.DEFINE_integer('decode_steps', 8, 'Decode steps per continuous chunk.')
+_SEED = flags.DEFINE_integer('seed', 0, 'Workload and sampling seed.')
+
+
+class LongTailEnv(base.BaseEnv):
+  """An episode of forced turn lengths (`turn_token_budget`, `budget_ends_turn`) and tool latencies."""
+  observation_mode = 'inline'
+
+  def __init__(self, example: base.Example, lengths: list[int], latencies: list[float]):
+    super().__init__(example, max_turns=len(lengths))
+    self.lengths, self.latencies = lengths, latencies
+    self.budget_ends_turn = True
+    self.slept: list[float] = []
+
+  def turn_token_budget(self, turn: int) -> int:
+    return self.lengths[min(turn, len(self.lengths) - 1)]
+
+  def _reset(self) -> None:
+    self.slept = []
+
+  def _step(self, action_text: str) -> base.StepResult:
+    del action_text
+    if self.turn >= self.max_turns:
+      return base.StepResult(None, 1.0, True, {})
+    latency = self.latencies[self.turn - 1]
+    time.sleep(latency)
+    self.slept.append(latency)
+    return base.StepResult(' ok. ', 0.0, False, {})
+
+
+def _workload(kind: str, n: int, rng: np.random.Generator):
+  """Per episode: (forced turn lengths, tool latencies in seconds)."""
+  turns = 1 if kind == 'single' else _TURNS.value
+  median = _MEDIAN_LEN.value / turns
+  lengths = np.clip(np.exp(rng.normal(np.log(median), _SIGMA.value, (n, turns))), _MIN_LEN.value // turns,
+                    _MAX_LEN.value // turns).astype(int)
+  latencies = np.clip(np.exp(rng.normal(np.log(_TOOL_MS.value / 1e3), _SIGMA.value, (n, turns))), 0.02, 0.5)
+  return [(lengths[i].tolist(), latencies[i].tolist()) for i in range(n)]
+
+
+def _envs(work, prompts):
+  return [LongTailEnv(base.Example(uid=str(i), prompt=prompts[i % len(prompts)], answer=''), lengths, lat)
+          for i, (lengths, lat) in enumerate(work)]
+
+
+def _load_average() -> str:
+  return ' / '.join(f'{x:.1f}' for x in os.getloadavg())
+
+
+def main(argv):
+  del argv
+  if _HF_DIR.value:
+    from sao_jax.models import hf_io  # pylint: disable=g-import-not-at-top  (optional weights)
+    model, cfg = hf_io.load_hf(_HF_DIR.value)
+    tok = get_tokenizer('hf', hf_dir=_HF_DIR.value)
+    name = os.path.basename(os.path.normpath(_HF_DIR.value))
+  else:
+    tok = CharTokenizer()
+    cfg = get_model_config(_MODEL.value, vocab_size=max(tok.vocab_size, 64), eos_ids=tuple(tok.stop_ids))
+    model = Decoder(cfg, rngs=nnx.Rngs(_SEED.value))
+    name = f'{_MODEL.value} (random weights)'
+  # A random model stops on its end-of-turn token now and then (~1/V per token), which would cut the forced
+  # long tail: no stop tokens here, every turn ends at its forced length (`LongTailEnv.budget_ends_turn`).
+  tok.stop_ids = ()
+  prompts = ['What is 12+7?', 'Tell me a story about a cat.', 'Compute 3*45 step by step.', 'hello there']
+  slots_n, n = _SLOTS.value, _EPISODES.value
+  decoding = SamplingParams()  # Temperature 1, the actors' setting.
+  max_prompt = max(len(tok.apply_chat_template([{'role': 'user', 'content': p}], add_generation_prompt=True)[0])
+                   for p in prompts)
+  max_seq_len = max_prompt + _MAX_LEN.value + 16 * _TURNS.value + 16
+  limits = rollout.EpisodeLimits(max_turns=_TURNS.value, max_new_tokens=_MAX_LEN.value, max_seq_len=max_seq_len)
+  stop_ids = tuple(tok.stop_ids)
+  backend = rollout.SamplerBackend(model, stop_ids=stop_ids, pad_id=tok.pad_id, max_total_len=max_seq_len,
+                                   min_rows=slots_n)
+  slot_sampler = SlotSampler(backend.sampler, num_slots=slots_n, max_seq_len=max_seq_len, stop_ids=stop_ids,
+                             pad_id=tok.pad_id, decode_steps=_DECODE_STEPS.value)
+  t0 = time.perf_counter()
+  slot_sampler.warmup(decoding)
+  print(f'# model {name}; {n} episodes, {slots_n} slots; continuous warm-up (compile) {time.perf_counter() - t0:.1f}s, '
+        f'programs {slot_sampler.num_compiled()}; load average {_load_average()}')
+  seeds = [rollout.episode_seed(_SEED.value, i, 0) for i in range(n)]
+
+  def run_static(envs):
+    out = []
+    for i in range(0, len(envs), slots_n):
+      out += rollout.run_episodes(backend, tok, envs[i:i + slots_n], limits=limits, decoding=decoding,
+                                  seeds=seeds[i:i + slots_n])
+    return out
+
+  def run_cont(envs):
+    return run_continuous(slot_sampler, tok, envs, limits=limits, decoding=decoding, seeds=seeds[:len(envs)])
+
+  def hidden_tool_time(envs):
+    """Tool time a static batch would hide with concurrent env steps: per batch and turn, sum - max."""
+    total = 0.0
+    for i in range(0, len(envs), slots_n):
+      batch = envs[i:i + slots_n]
+      for k in range(max(len(e.slept) for e in batch)):
+        lat = [e.slept[k] for e in batch if len(e.slept) > k]
+        total += sum(lat) - max(lat)
+    return total
+
+  rng = np.random.default_rng(_SEED.value)
+  print('| workload | runner | episodes/s | generated tok/s | wall s | speed-up | load |')
+  print('|---|---|---|---|---|---|---|')
+  for kind in _WORKLOADS.value:
+    work = _workload(kind, n, rng)
+    runs = {'static': [], 'continuous': [], 'static_est': []}
+    tokens = 0
+    for r in range(_REPEATS.value + 1):
+      for label, fn in (('static', run_static), ('continuous', run_cont)):
+        envs = _envs(work, prompts)
+        t0 = time.perf_counter()
+        trajs = fn(envs)
+        wall = time.perf_counter() - t0
+        tokens = sum(t.num_action_tokens for t in trajs)
+        if r == 0:
+          continue  # Warm-up (compiles the static sampler's programs).
+        runs[label].append((wall, tokens))
+        if label == 'static':
+          runs['static_est'].append((wall - hidden_tool_time(envs), tokens))
+    load = _load_average()
+    base_wall = statistics.median(w for w, _ in runs['static'])
+    rows = [('static', runs['static'])]
+    if kind != 'single':
+      rows.append(('static, env steps concurrent (est.)', runs['static_est']))
+    rows.append(('continuous', runs['continuous']))
+    for label, vals in rows:
+      wall = statistics.median(w for w, _ in vals)
+      toks = statistics.median(t for _, t in vals)
+      print(f'| {kind} | {label} | {n / wall:.2f} | {toks / wall:.0f} | {wall:.2f} | {base_wall / wall:.2f}x '
+            f'| {load} |')
+  print(f'# continuous programs after the runs: {slot_sampler.num_compiled()} (no recompiles when unchanged); '
+        f'static sampler programs: {backend.sampler.num_compiled()}')
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,356 @@
+"""Continuous batching: a fixed number of decode slots over a slot-major KV cache.
+
+What the continuous episode runner (`sao_jax.rollout.continuous`) drives. A `SlotSampler` owns a cache of
+`num_slots` rows (`decode.init_cache(..., per_row_index=True)`: every row is an independent sequence with its
+own write slot and RoPE positions) and two kinds of jitted programs:
+
+* **admit** `(weights, cache, rows[P], chunk[P, T]) -> (first tokens, cache)`: writes a right-padded chunk into
+  P of the slots (a new episode's prompt into a reset slot, or the next turn of an episode: its pending last
+  token followed by its observation tokens, appended to what the slot holds) and samples each row's first
+  token of the turn. The P rows are gathered from the cache, run through `decode.forward` and scattered back;
+  P is bucketed to a power of two (padding rows point past the cache and are dropped), T to `chunk_buckets`;
+  chunks longer than the largest bucket are written in pieces (only the last piece samples);
+* **decode** `(weights, cache, last, active, ...) -> (tokens[B, n], log-probs, cache)`: a fixed-length chunk of
+  at most `n` single-token steps over every slot, with a per-slot active mask (a `lax.while_loop` that ends
+  early when no slot is active). A slot leaves the active set when its turn ends (stop token or budget);
+  inactive slots write nothing that is ever read and do not advance. Attention reads a window of the cache
+  (`windows`: a few static sizes, chosen per chunk from the fullest active slot).
+
+So the number of compiled programs is fixed by the slot count: `len(P buckets) x len(chunk_buckets)` admit
+programs and `len(windows)` decode programs, all compiled by `warmup`; slots come and go without a recompile
+(`num_compiled` counts them).
+
+Between chunks the host admits newcomers into free slots: a turn that ends frees nothing but its decode
+row (the slot keeps the episode's history until the episode ends), so the next turn of another episode or a
+new prompt starts without waiting for the rest of the batch.
+
+Weights are read from a `WeightsSnapshot` source (the actor's `Sampler`, whose `update_weights` swaps it
+atomically) once per device call: a swap takes effect at the next admit / decode chunk, between decode steps.
+Every token comes back with the version of the snapshot that generated it, so an episode running across a
+swap records the versions it saw.
+
+Token semantics are exactly those of `sao_jax.models.sampler` (tests compare the two): the same cached
+forward pass, `sampling.select_tokens` keyed by (row seed, position of the drawn token), so a row's tokens do
+not depend on the slot it runs in or on its neighbours; `logprobs` are temperature-1 policy log-probs and
+`sampling_logprobs` those of the distribution actually sampled from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sao_jax.models import sampling
+from sao_jax.models.config import ModelConfig
+from sao_jax.models.decode import DecodeCache, DecodeWeights, forward, init_cache, last_logits
+from sao_jax.models.sampler import WeightsSnapshot, decode_windows
+from sao_jax.models.sampling import SamplingParams
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  cfg: ModelConfig
+  params: SamplingParams
+  stop_ids: tuple[int, ...]
+  pad_id: int
+  window: int
+
+
+def _is_stop(st: _Static, tokens: Array) -> Array:
+  if not st.stop_ids:
+    return jnp.zeros(tokens.shape, bool)
+  return jnp.any(tokens[:, None] == jnp.asarray(st.stop_ids, jnp.int32)[None, :], axis=-1)
+
+
+def _admit_impl(st: _Static, weights: DecodeWeights, cache: DecodeCache, rows: Array, chunk: Array, valid: Array,
+                lengths: Array, reset: Array, seeds: Array):
+  """Writes right-padded chunks [P, T] (`lengths` real tokens each) into cache rows `rows` [P] (rows >= B are
+  padding: nothing is written back) and samples each row's next token. `reset` rows start empty."""
+  take = lambda x: jnp.take(x, rows, axis=0, mode='clip')
+  sub = DecodeCache(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)),
+                    valid=jnp.where(reset[:, None], False, take(cache.valid)),
+                    index=jnp.where(reset, 0, take(cache.index)), positions=jnp.where(reset, 0, take(cache.positions)))
+  hidden, new = forward(st.cfg, weights, sub, chunk, valid, window=st.window, all_positions=True)  # [P, T, D]
+  last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]  # [P, D]
+  # The padding after the real tokens is overwritten by the row's next write.
+  new = new.replace(index=sub.index + lengths)
+  tok, lp, slp = sampling.select_tokens(last_logits(weights, last.T), seeds, new.positions, st.params)
+  put = lambda x, y: x.at[rows].set(y, mode='drop')
+  cache = DecodeCache(k=tuple(map(put, cache.k, new.k)), v=tuple(map(put, cache.v, new.v)),
+                      valid=put(cache.valid, new.valid), index=put(cache.index, new.index),
+                      positions=put(cache.positions, new.positions))
+  return cache, tok, lp, slp
+
+
+def _decode_impl(st: _Static, num_steps: int, weights: DecodeWeights, cache: DecodeCache, last: Array,
+                 active: Array, lengths: Array, budgets: Array, seeds: Array):
+  """Up to `num_steps` tokens per active slot: feeds `last`, samples, stops a slot at a stop token or when
+  `lengths` (tokens of the turn so far) reaches `budgets`."""
+  b = last.shape[0]
+  tokens = jnp.full((b, num_steps), st.pad_id, jnp.int32)
+  lps = jnp.zeros((b, num_steps), jnp.float32)
+  slps = jnp.zeros((b, num_steps), jnp.float32)
+
+  def step(carry):
+    i, cache, tokens, lps, slps, active, lengths, last = carry
+    hidden, new = forward(st.cfg, weights, cache, last[:, None], active[:, None], window=st.window)
+    new = new.replace(index=jnp.where(active, cache.index + 1, cache.index))
+    tok, lp, slp = sampling.select_tokens(last_logits(weights, hidden), seeds, new.positions, st.params)
+    tok = jnp.where(active, tok, st.pad_id)
+    tokens = jax.lax.dynamic_update_slice(tokens, tok[:, None], (0, i))
+    lps = jax.lax.dynamic_update_slice(lps, jnp.where(active, lp, 0.0)[:, None], (0, i))
+    slps = jax.lax.dynamic_update_slice(slps, jnp.where(active, slp, 0.0)[:, None], (0, i))
+    lengths = lengths + active.astype(jnp.int32)
+    ended = active & (_is_stop(st, tok) | (lengths >= budgets))
+    last = jnp.where(active, tok, last)
+    return i + 1, new, tokens, lps, slps, active & ~ended, lengths, last
+
+  def running(carry):
+    return (carry[0] < num_steps) & jnp.any(carry[5])
+
+  carry = (jnp.zeros((), jnp.int32), cache, tokens, lps, slps, active, lengths, last)
+  steps, cache, tokens, lps, slps, active, lengths, last = jax.lax.while_loop(running, step, carry)
+  return cache, tokens, lps, slps, active, lengths, last, steps
+
+
+class SnapshotSource(Protocol):
+  """Where the weights come from: anything with a `snapshot` (e.g. `sao_jax.models.sampler.Sampler`)."""
+  cfg: ModelConfig
+
+  @property
+  def snapshot(self) -> WeightsSnapshot:
+    ...
+
+
+@dataclasses.dataclass
+class Admission:
+  """A chunk to write into a slot, after which the slot generates a turn.
+
+  Attributes:
+    slot: the slot (0 <= slot < num_slots).
+    tokens: the chunk: a new episode's prompt, or the observation tokens of an episode's next turn (the
+      slot's pending last token is put in front of them).
+    new: the slot starts a new episode (its cache row is reset; `seed` is its sampling seed).
+    budget: new tokens this turn may generate (>= 1).
+    seed: the episode's sampling seed (used when `new`).
+  """
+  slot: int
+  tokens: Sequence[int]
+  new: bool
+  budget: int
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class SlotTokens:
+  """Tokens a slot generated in one device call.
+
+  Attributes:
+    slot: the slot.
+    ids: generated tokens (the turn's stop token included when it stopped on one).
+    logprobs: temperature-1 policy log-probs `log pi(a)`.
+    sampling_logprobs: log-probs under the distribution sampled from.
+    version: the weights version that generated them (one snapshot per call).
+    ended: the turn is over (stop token or budget); the slot stops decoding until its next admission.
+  """
+  slot: int
+  ids: list[int]
+  logprobs: list[float]
+  sampling_logprobs: list[float]
+  version: int
+  ended: bool
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, int(x) - 1).bit_length()
+
+
+class SlotSampler:
+  """Continuous batching over `num_slots` decode slots (see the module docstring).
+
+  Args:
+    source: where the decode-layout weights come from (`Sampler`: its `snapshot` is read once per call).
+    num_slots: decode slots (rows of the cache and of every decode step).
+    max_seq_len: longest episode (prompt + actions + observations), in tokens.
+    stop_ids: tokens that end a turn.
+    pad_id: token written after a row's end.
+    chunk_buckets: admission chunk lengths (chunks are right-padded up to one; longer ones are split).
+    decode_steps: decode steps per chunk (the host admits newcomers between chunks).
+    num_windows: attention windows of the decode programs (the last one is the whole cache).
+  """
+
+  def __init__(self, source: SnapshotSource, *, num_slots: int, max_seq_len: int, stop_ids: Sequence[int],
+               pad_id: int, chunk_buckets: Sequence[int] = (16, 64), decode_steps: int = 16,
+               num_windows: int = 8):
+    if num_slots < 1 or decode_steps < 1 or max_seq_len < 2:
+      raise ValueError(f'SlotSampler: num_slots={num_slots}, decode_steps={decode_steps} and max_seq_len='
+                       f'{max_seq_len} must be >= 1, 1 and 2.')
+    self.source = source
+    self.cfg: ModelConfig = source.cfg
+    self.num_slots = int(num_slots)
+    self.max_seq_len = int(max_seq_len)
+    self.stop_ids = tuple(int(i) for i in stop_ids)
+    self.pad_id = int(pad_id)
+    self.chunk_buckets = tuple(sorted({int(x) for x in chunk_buckets}))
+    if not self.chunk_buckets or self.chunk_buckets[0] < 1:
+      raise ValueError(f'SlotSampler chunk_buckets must be positive, got {chunk_buckets!r}.')
+    self.decode_steps = int(decode_steps)
+    # A slot holds at most max_seq_len - 1 tokens (its last token is pending); a chunk write reaches up to
+    # the largest bucket past it. Granule 64 keeps the attention reads aligned.
+    granule = 64
+    self.cache_len = -(-(self.max_seq_len + self.chunk_buckets[-1]) // granule) * granule
+    self.windows = decode_windows(self.cache_len, granule=granule, max_segments=max(1, int(num_windows)))
+    # Admission rows: powers of 4 up to the slot count (few programs; a partly filled admission is cheap).
+    self.row_buckets = tuple(sorted({min(4 ** k, self.num_slots) for k in range(16) if 4 ** (k - 1) < self.num_slots}))
+    fresh = functools.partial
+    self._admit = jax.jit(fresh(_admit_impl), static_argnums=(0,), donate_argnums=(2,))
+    self._decode = jax.jit(fresh(_decode_impl), static_argnums=(0, 1), donate_argnums=(3,))
+    self._cache = jax.jit(fresh(init_cache), static_argnums=(0, 1, 2), static_argnames=('per_row_index',))(
+        self.cfg, self.num_slots, self.cache_len, per_row_index=True)
+    b = self.num_slots
+    self.fill = np.zeros((b,), np.int64)  # Tokens each slot holds (host mirror of cache.index).
+    self.pending = np.zeros((b,), np.int32)  # Last generated token, not in the cache yet.
+    self.has_pending = np.zeros((b,), bool)
+    self.last = np.zeros((b,), np.int32)
+    self.active = np.zeros((b,), bool)
+    self.lengths = np.zeros((b,), np.int32)  # Tokens of the current turn so far.
+    self.budgets = np.zeros((b,), np.int32)
+    self.seeds = np.zeros((b,), np.uint32)
+
+  # ---- Introspection.
+
+  def num_compiled(self) -> dict[str, int]:
+    """Compiled programs per jitted function."""
+    return {'admit': self._admit._cache_size(), 'decode': self._decode._cache_size()}
+
+  @property
+  def version(self) -> int:
+    return self.source.snapshot.version
+
+  @property
+  def any_active(self) -> bool:
+    return bool(self.active.any())
+
+  def chunk_bucket(self, length: int) -> int:
+    return next(x for x in self.chunk_buckets if length <= x)
+
+  def _static(self, params: SamplingParams, window: int) -> _Static:
+    return _Static(self.cfg, params, self.stop_ids, self.pad_id, window)
+
+  # ---- Warm-up.
+
+  def warmup(self, params: SamplingParams) -> None:
+    """Compiles every admit and decode program (padding rows only: the slots are left as they were)."""
+    snapshot = self.source.snapshot
+    for p in self.row_buckets:
+      for t in self.chunk_buckets:
+        rows = np.full((p,), self.num_slots, np.int32)
+        zeros = np.zeros((p,), np.int32)
+        self._cache, *_ = self._admit(self._static(params, self.cache_len), snapshot.weights, self._cache,
+                                      rows, np.zeros((p, t), np.int32), np.zeros((p, t), bool), zeros,
+                                      np.ones((p,), bool), zeros.astype(np.uint32))
+    b = self.num_slots
+    for w in self.windows:
+      out = self._decode(self._static(params, w), self.decode_steps, snapshot.weights, self._cache,
+                         np.zeros((b,), np.int32), np.zeros((b,), bool), np.zeros((b,), np.int32),
+                         np.zeros((b,), np.int32), np.zeros((b,), np.uint32))
+      self._cache = out[0]
+    jax.block_until_ready(self._cache)
+
+  # ---- Admission and decoding.
+
+  def admit(self, admissions: Sequence[Admission], params: SamplingParams) -> list[SlotTokens]:
+    """Writes each admission's chunk into its slot and samples the turn's first token (one snapshot for the
+    whole call). Returns one `SlotTokens` per admission (ended when the first token already ends the turn)."""
+    if not admissions:
+      return []
+    snapshot = self.source.snapshot
+    chunks = []
+    for a in admissions:
+      if not 0 <= a.slot < self.num_slots or self.active[a.slot]:
+        raise ValueError(f'SlotSampler.admit: slot {a.slot} is not a free slot of {self.num_slots}.')
+      if a.budget < 1:
+        raise ValueError(f'SlotSampler.admit: slot {a.slot} has a budget of {a.budget} (needs >= 1).')
+      chunk = [int(x) for x in a.tokens]
+      if not a.new and self.has_pending[a.slot]:
+        chunk = [int(self.pending[a.slot])] + chunk
+      if not chunk:
+        raise ValueError(f'SlotSampler.admit: slot {a.slot} has nothing to condition on.')
+      fill = 0 if a.new else int(self.fill[a.slot])
+      if fill + len(chunk) > self.max_seq_len:
+        raise ValueError(f'SlotSampler.admit: slot {a.slot} would hold {fill + len(chunk)} tokens > max_seq_len='
+                         f'{self.max_seq_len}.')
+      chunks.append(chunk)
+    piece = self.chunk_buckets[-1]
+    pieces = [[c[i:i + piece] for i in range(0, len(c), piece)] for c in chunks]
+    first = {}
+    for r in range(max(len(p) for p in pieces)):
+      part = [i for i, p in enumerate(pieces) if r < len(p)]
+      p_rows = next(x for x in self.row_buckets if len(part) <= x)
+      t = self.chunk_bucket(max(len(pieces[i][r]) for i in part))
+      rows = np.full((p_rows,), self.num_slots, np.int32)
+      chunk = np.full((p_rows, t), self.pad_id, np.int32)
+      valid = np.zeros((p_rows, t), bool)
+      lengths = np.zeros((p_rows,), np.int32)
+      reset = np.zeros((p_rows,), bool)
+      seeds = np.zeros((p_rows,), np.uint32)
+      for j, i in enumerate(part):
+        a, c = admissions[i], pieces[i][r]
+        rows[j], lengths[j], reset[j] = a.slot, len(c), a.new and r == 0
+        chunk[j, :len(c)], valid[j, :len(c)] = c, True
+        seeds[j] = (a.seed % (1 << 32)) if a.new else self.seeds[a.slot]
+      self._cache, tok, lp, slp = self._admit(self._static(params, self.cache_len), snapshot.weights, self._cache,
+                                              rows, chunk, valid, lengths, reset, seeds)
+      tok, lp, slp = jax.device_get((tok, lp, slp))
+      for j, i in enumerate(part):
+        if r == len(pieces[i]) - 1:
+          first[i] = (int(tok[j]), float(lp[j]), float(slp[j]))
+    out = []
+    for i, a in enumerate(admissions):
+      s = a.slot
+      tok, lp, slp = first[i]
+      if a.new:
+        self.seeds[s] = a.seed % (1 << 32)
+        self.fill[s] = 0
+      self.fill[s] += len(chunks[i])
+      ended = tok in self.stop_ids or a.budget <= 1
+      self.active[s], self.lengths[s], self.budgets[s], self.last[s] = not ended, 1, a.budget, tok
+      self.pending[s], self.has_pending[s] = tok, True
+      out.append(SlotTokens(s, [tok], [lp], [slp], snapshot.version, ended))
+    return out
+
+  def decode(self, params: SamplingParams) -> list[SlotTokens]:
+    """One decode chunk (up to `decode_steps` tokens per active slot, one snapshot). Returns the tokens of
+    every slot that was active."""
+    was_active = self.active.copy()
+    if not was_active.any():
+      return []
+    snapshot = self.source.snapshot
+    need = int(self.fill[was_active].max()) + self.decode_steps
+    window = next(w for w in self.windows if need <= w)
+    out = self._decode(self._static(params, window), self.decode_steps, snapshot.weights, self._cache,
+                       self.last, was_active, self.lengths, self.budgets, self.seeds)
+    self._cache = out[0]
+    tokens, lps, slps, active, lengths, last, _ = jax.device_get(out[1:])
+    results = []
+    for s in np.flatnonzero(was_active):
+      n = int(lengths[s] - self.lengths[s])
+      results.append(SlotTokens(int(s), tokens[s, :n].tolist(), lps[s, :n].tolist(), slps[s, :n].tolist(),
+                                snapshot.version, not bool(active[s])))
+      self.fill[s] += n  # Each step wrote the slot's previous token.
+      self.pending[s] = last[s]
+    self.active, self.lengths, self.last = np.array(active), np.array(lengths), np.array(last)
+    return results
+
+  def release(self, slot: int) -> None:
+    """Frees a slot (its episode ended): the next admission into it must be `new`."""
+    self.active[slot] = False
+    self.has_pending[slot] = False
+    self.fill[slot] = 0

@@ -1,0 +1,256 @@
+"""The continuous-batching episode runner: episodes stream through a fixed number of decode slots.
+
+    slots = SlotSampler(sampler, num_slots=16, max_seq_len=config.sampler.max_seq_len, stop_ids=..., pad_id=...)
+    trajs = run_continuous(slots, tokenizer, envs, limits=..., decoding=..., seeds=seeds, group_ids=group_ids)
+
+The static runner (`sao_jax.rollout.episodes.run_episodes`) plays a batch turn by turn: each turn is one
+sampler call over the batch, so the batch waits for its longest generation and its slowest env step. Here
+every episode owns a slot of a `sao_jax.models.continuous.SlotSampler` from its first prompt token to its
+end; the host loop alternates
+
+1. harvest: env steps that finished (they run in a thread pool, never blocking the decoding of other slots):
+   an episode that goes on is queued for admission with its observation tokens, one that ended becomes a
+   `Trajectory` and frees its slot;
+2. fill: free slots take new episodes (their prompts) from the waiting list;
+3. admit: one device call writes every queued chunk (new prompts and next turns) into its slot and samples
+   each turn's first token;
+4. decode: one fixed-length chunk of decode steps over all slots (per-slot active mask); a slot whose turn
+   ended (stop token, budget) hands the turn to the env pool and waits for its observation.
+
+When no slot can decode and nothing is ready to admit, the loop waits for the first env step to finish.
+
+The per-episode steps (prompt rendering, budgets, turn recording, env step, cuts, the trajectory layout)
+are the static runner's (`episodes.start_episode`, `turn_budget`, `absorb`, `finish`), so both produce the
+same `Trajectory` for the same tokens: with greedy decoding, the same tokens (tests check it).
+
+Weights: `follower.refresh()` is called before every device call (a swap takes effect between decode
+chunks; every token records the version that generated it: `Trajectory.info['token_versions']` lists them
+for the action tokens in order, and a turn's version is the oldest of its tokens'). With
+`per_episode_weights` a newer version is taken only when no episode is running: new episodes are held back
+until the running ones finish (one version per episode).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Protocol
+
+from sao_jax import types
+from sao_jax.envs.base import Env
+from sao_jax.models.continuous import Admission, SlotSampler, SlotTokens
+from sao_jax.models.sampling import SamplingParams
+from sao_jax.rollout.backends import Generation
+from sao_jax.rollout.episodes import Episode, EpisodeLimits, EpisodeRules, absorb, finish, start_episode, turn_budget
+from sao_jax.tokenizers import Tokenizer
+
+
+class WeightFollower(Protocol):
+  """Where newer weights come from (the actor's publisher adapter)."""
+
+  def newer(self) -> bool:
+    """A newer version than the sampler's is available."""
+
+  def refresh(self) -> None:
+    """Takes the newest version (no-op when there is none)."""
+
+
+@dataclasses.dataclass
+class _Running:
+  key: Hashable
+  episode: Episode
+  seed: int
+  ids: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  policy_logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+
+
+class ContinuousRunner:
+  """Streams episodes through a `SlotSampler` (see the module docstring).
+
+  Args:
+    slots: the slot sampler (its stop ids must include the envs' stop texts).
+    tokenizer: renders prompts / message observations, decodes actions.
+    limits: episode budgets.
+    decoding: greedy or sampling settings.
+    step_timeout_s: wall-clock bound of one `env.step`.
+    env_workers: threads stepping envs (default: one per slot).
+    follower: newer weights (None: the sampler's weights never change here).
+    per_episode_weights: take newer weights only between episodes (module docstring).
+  """
+
+  def __init__(self, slots: SlotSampler, tokenizer: Tokenizer, *, limits: EpisodeLimits, decoding: SamplingParams,
+               step_timeout_s: float | None = None, env_workers: int | None = None,
+               follower: WeightFollower | None = None, per_episode_weights: bool = False):
+    if limits.max_seq_len > slots.max_seq_len:
+      raise ValueError(f'ContinuousRunner: limits.max_seq_len={limits.max_seq_len} exceeds the slot sampler\'s '
+                       f'max_seq_len={slots.max_seq_len}.')
+    self.slots = slots
+    self.tokenizer = tokenizer
+    self.limits = limits
+    self.decoding = decoding
+    self.step_timeout_s = step_timeout_s
+    self.follower = follower
+    self.per_episode_weights = per_episode_weights
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=env_workers or slots.num_slots,
+                                                       thread_name_prefix='env')
+    self._waiting: collections.deque[tuple[Hashable, Env, int, int, EpisodeRules]] = collections.deque()
+    self._running: dict[int, _Running] = {}
+    self._rules: dict[int, EpisodeRules] = {}
+    self._env_steps: dict[concurrent.futures.Future, int] = {}
+    self._admissions: list[Admission] = []
+    self._draining = False
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=False, cancel_futures=True)
+
+  # ---- Streaming API.
+
+  def submit(self, envs: Sequence[Env], *, seeds: Sequence[int], group_ids: Sequence[int] | None = None,
+             keys: Sequence[Hashable] | None = None) -> None:
+    """Queues fresh envs (reset when they get a slot); `keys` name them in `step`'s results."""
+    group_ids = [-1] * len(envs) if group_ids is None else list(group_ids)
+    keys = list(range(len(envs))) if keys is None else list(keys)
+    if not len(seeds) == len(group_ids) == len(keys) == len(envs):
+      raise ValueError(f'ContinuousRunner.submit: {len(seeds)} seeds, {len(group_ids)} group ids and {len(keys)} '
+                       f'keys for {len(envs)} envs.')
+    if not envs:
+      return
+    rules = EpisodeRules.make(self.slots.stop_ids, self.tokenizer, envs, limits=self.limits,
+                              decoding=self.decoding, step_timeout_s=self.step_timeout_s)
+    for key, env, seed, group_id in zip(keys, envs, seeds, group_ids):
+      self._waiting.append((key, env, int(seed), int(group_id), rules))
+
+  @property
+  def pending(self) -> int:
+    """Episodes submitted and not finished (waiting or running)."""
+    return len(self._waiting) + len(self._running)
+
+  @property
+  def free_slots(self) -> int:
+    return self.slots.num_slots - len(self._running) - len(self._waiting)
+
+  def step(self) -> list[tuple[Hashable, types.Trajectory]]:
+    """One round of the loop (harvest, fill, admit, decode); returns the episodes that finished in it."""
+    done: list[tuple[Hashable, types.Trajectory]] = []
+    self._harvest(done, block=False)
+    self._fill()
+    worked = False
+    if self._admissions:
+      admissions, self._admissions = self._admissions, []
+      self._device_call(lambda: self.slots.admit(admissions, self.decoding), [a.slot for a in admissions])
+      worked = True
+    if self.slots.any_active:
+      active = [int(s) for s in self.slots.active.nonzero()[0]]
+      self._device_call(lambda: self.slots.decode(self.decoding), active)
+      worked = True
+    if not worked and self._env_steps and not done:
+      self._harvest(done, block=True)
+    return done
+
+  def run(self) -> list[tuple[Hashable, types.Trajectory]]:
+    """Steps until every submitted episode has finished; returns them in the order they finished."""
+    out = []
+    try:
+      while self.pending:
+        out += self.step()
+    except BaseException:
+      self.reset()
+      raise
+    return out
+
+  def reset(self) -> None:
+    """Drops every waiting and running episode (after an error) and frees their slots."""
+    for fut in self._env_steps:
+      fut.cancel()
+    for slot in list(self._running):
+      self.slots.release(slot)
+    self._waiting.clear()
+    self._running.clear()
+    self._env_steps.clear()
+    self._admissions = []
+    self._draining = False
+
+  # ---- Internals.
+
+  def _harvest(self, done: list, *, block: bool) -> None:
+    if not self._env_steps:
+      return
+    if block:
+      concurrent.futures.wait(list(self._env_steps), return_when=concurrent.futures.FIRST_COMPLETED)
+    for fut in [f for f in self._env_steps if f.done()]:
+      slot = self._env_steps.pop(fut)
+      run = self._running[slot]
+      obs = fut.result()  # An error escaping `absorb` (a broken env contract) stops the run, as in run_episodes.
+      if obs is None:
+        rules = self._rules.pop(slot)
+        del self._running[slot]
+        self.slots.release(slot)
+        done.append((run.key, finish(run.episode, rules)))
+      else:
+        self._admissions.append(Admission(slot, obs, new=False, budget=turn_budget(run.episode, self.limits)))
+
+  def _fill(self) -> None:
+    if self.follower is not None and self.per_episode_weights:
+      if self.follower.newer():
+        if self._running:
+          self._draining = True  # Hold new episodes back until the running ones finish.
+        else:
+          self.follower.refresh()
+          self._draining = False
+    if self._draining:
+      return
+    free = [s for s in range(self.slots.num_slots) if s not in self._running]
+    while free and self._waiting:
+      key, env, seed, group_id, rules = self._waiting.popleft()
+      ep = start_episode(env, group_id, rules)
+      slot = free.pop(0)
+      self._running[slot] = _Running(key, ep, seed)
+      self._rules[slot] = rules
+      self._admissions.append(Admission(slot, ep.prompt_ids, new=True, budget=turn_budget(ep, self.limits),
+                                        seed=seed))
+
+  def _device_call(self, call: Callable[[], list[SlotTokens]], slots: Sequence[int]) -> None:
+    if self.follower is not None and not self.per_episode_weights:
+      self.follower.refresh()
+    t0 = time.perf_counter()
+    results = call()
+    seconds = time.perf_counter() - t0
+    for slot in slots:
+      self._running[slot].episode.generate_seconds += seconds
+    for r in results:
+      run = self._running[r.slot]
+      run.ids += r.ids
+      run.logprobs += r.sampling_logprobs
+      run.policy_logprobs += r.logprobs
+      run.versions += [r.version] * len(r.ids)
+      if r.ended:
+        self._end_turn(r.slot, run)
+
+  def _end_turn(self, slot: int, run: _Running) -> None:
+    gen = Generation(run.ids, run.logprobs, run.policy_logprobs, min(run.versions))
+    run.episode.info.setdefault('token_versions', []).extend(run.versions)
+    run.ids, run.logprobs, run.policy_logprobs, run.versions = [], [], [], []
+    fut = self._pool.submit(absorb, run.episode, gen, self._rules[slot])
+    self._env_steps[fut] = slot
+
+
+def run_continuous(slots: SlotSampler, tokenizer: Tokenizer, envs: Sequence[Env], *, limits: EpisodeLimits,
+                   decoding: SamplingParams, seeds: Sequence[int], group_ids: Sequence[int] | None = None,
+                   step_timeout_s: float | None = None, env_workers: int | None = None,
+                   follower: WeightFollower | None = None,
+                   per_episode_weights: bool = False) -> list[types.Trajectory]:
+  """Plays one episode per env through the slots (module docstring); the same arguments and result as
+  `run_episodes` (one `Trajectory` per env, in order), plus the runner's options (`ContinuousRunner`)."""
+  runner = ContinuousRunner(slots, tokenizer, limits=limits, decoding=decoding, step_timeout_s=step_timeout_s,
+                            env_workers=env_workers, follower=follower, per_episode_weights=per_episode_weights)
+  try:
+    runner.submit(envs, seeds=seeds, group_ids=group_ids)
+    done = dict(runner.run())
+  finally:
+    runner.close()
+  return [done[i] for i in range(len(envs))]

@@ -1,0 +1,255 @@
+"""Continuous batching (`models.continuous.SlotSampler` + `rollout.continuous`) against the static sampler and
+the plain forward pass: the same greedy episodes in any arrival order (multi-turn, observations, long prompts
+written in pieces), behaviour and policy log-probs of the plain forward, no recompiles as slots refill, and
+weight swaps recorded per token. One tiny model, one set of compiled shapes for the whole file."""
+
+import itertools
+import threading
+
+from absl.testing import absltest
+from flax import nnx
+import numpy as np
+
+from sao_jax import rollout
+from sao_jax.envs import base
+from sao_jax.models import logprobs as logprobs_lib
+from sao_jax.models.continuous import SlotSampler
+from sao_jax.models.sampling import SamplingParams
+from sao_jax.rollout import actor as actor_lib
+from sao_jax.rollout.continuous import ContinuousRunner, run_continuous
+from sao_jax.tokenizers import CharTokenizer
+from tests.rollout import helpers
+
+_GREEDY = SamplingParams(temperature=0.0)
+_SAMPLED = SamplingParams(temperature=0.7)
+
+
+class _SwapAfter:
+  """A `WeightFollower` that publishes `model` (as `version`) before the `at`-th device call."""
+
+  def __init__(self, backend, model, version, at):
+    self.backend, self.model, self.version, self.at = backend, model, version, at
+    self.calls = 0
+
+  def newer(self):
+    return self.calls >= self.at and self.backend.sampler.version < self.version
+
+  def refresh(self):
+    self.calls += 1
+    if self.newer():
+      self.backend.update_weights(self.model, version=self.version)
+
+
+class ContinuousTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.tok = CharTokenizer()
+    cls.model = helpers.small_model(cls.tok.vocab_size, seed=3)
+    # Nearly every character ends a turn, so episodes go through several continuations.
+    cls.stop_texts = tuple('0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ+-*/=(). ')
+    prompts = ['12+7=?', 'What is 3*45?', 'x', '99-100', 'hello there', 'a much longer prompt, over two chunks']
+    cls.examples = [base.Example(uid=str(i), prompt=p, answer='0') for i, p in enumerate(prompts)]
+    cls.limits = rollout.EpisodeLimits(max_turns=3, max_new_tokens=6, max_seq_len=128)
+    cls.task = helpers.EchoTask(cls.examples, 'message', cls.stop_texts, 3)
+    env = cls.task.make_env(cls.examples[0])
+    cls.backend = rollout.SamplerBackend(cls.model, stop_ids=rollout.stop_ids_for(env, cls.tok),
+                                         pad_id=cls.tok.pad_id, max_total_len=128, min_rows=8, version=4)
+    # Two slots for six episodes: slots refill many times; one chunk bucket of 16: prompts (>= 20 tokens
+    # with the chat template) are written in pieces.
+    cls.slots = SlotSampler(cls.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=cls.backend.stop_ids,
+                            pad_id=cls.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=1)
+    cls.slots.warmup(_GREEDY)
+    cls.slots.warmup(_SAMPLED)
+    cls.compiled = cls.slots.num_compiled()
+
+  def _envs(self, order):
+    return [self.task.make_env(self.examples[i]) for i in order]
+
+  def _continuous(self, order, decoding, **kwargs):
+    return run_continuous(self.slots, self.tok, self._envs(order), limits=self.limits, decoding=decoding,
+                          seeds=list(order), group_ids=list(order), **kwargs)
+
+  def test_compiled_programs_are_fixed_by_the_slot_count(self):
+    # Per sampling setting: row buckets {1, 2} x chunk buckets {16} admit programs, one decode per window.
+    self.assertEqual(self.compiled, {'admit': 2 * 2 * 1, 'decode': 2 * 1})
+
+  def test_greedy_episodes_equal_the_static_sampler_in_any_arrival_order(self):
+    n = len(self.examples)
+    want = rollout.run_episodes(self.backend, self.tok, self._envs(range(n)), limits=self.limits,
+                                decoding=_GREEDY, seeds=list(range(n)), group_ids=list(range(n)))
+    self.assertGreaterEqual(sum(t.info['num_turns'] >= 2 for t in want), 2, [t.info for t in want])
+    self.assertGreater(len(want[-1].tokens) - want[-1].num_action_tokens, 32)  # A prompt of several pieces.
+    for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 4, 0, 2]):
+      with self.subTest(order=order):
+        got = self._continuous(order, _GREEDY)
+        for i, g in zip(order, got):
+          w = want[i]
+          np.testing.assert_array_equal(g.tokens, w.tokens)
+          np.testing.assert_array_equal(g.action_mask, w.action_mask)
+          np.testing.assert_allclose(g.policy_logprobs, w.policy_logprobs, atol=1e-5)
+          np.testing.assert_array_equal(g.behavior_logprobs, 0.0)
+          self.assertEqual((g.group_id, g.turn_versions, g.greedy), (i, w.turn_versions, True))
+          g.info.pop('token_versions')
+          self.assertEqual(g.info, w.info)
+    self.assertEqual(self.slots.num_compiled(), self.compiled)  # Slots refilled without a recompile.
+
+  def test_logprobs_are_those_of_the_plain_forward(self):
+    """Sampling at temperature 0.7: behaviour = log q (tempered forward), policy = log pi (forward at T=1)."""
+    got = self._continuous(range(len(self.examples)), _SAMPLED)
+    self.assertGreaterEqual(sum(t.info['num_turns'] >= 2 for t in got), 2)
+    log_pi, log_q = _forward_logprobs(self.model, got), _forward_logprobs(self.model, got, temperature=0.7)
+    checked = 0
+    for i, t in enumerate(got):
+      m, n = t.action_mask, len(t.tokens)
+      np.testing.assert_allclose(t.behavior_logprobs[m], log_q[i, :n][m], atol=2e-4)
+      np.testing.assert_allclose(t.policy_logprobs[m], log_pi[i, :n][m], atol=2e-4)
+      np.testing.assert_array_equal(t.behavior_logprobs[~m], 0.0)
+      checked += int(m.sum())
+    self.assertGreater(checked, 20)
+    diffs = np.concatenate([np.abs(t.behavior_logprobs - t.policy_logprobs) for t in got])
+    self.assertGreater(diffs.max(), 0.05)  # The two differ: a runner that confused them would fail.
+    self.assertEqual(self.slots.num_compiled(), self.compiled)
+
+  def test_a_weight_swap_mid_run_is_recorded_per_token(self):
+    other = helpers.small_model(self.tok.vocab_size, seed=9)
+    self.addCleanup(self.backend.update_weights, self.model, version=4)
+    follower = _SwapAfter(self.backend, other, 5, at=5)
+    got = self._continuous(range(len(self.examples)), _GREEDY, follower=follower)
+    both = 0
+    for t in got:
+      versions = t.info['token_versions']
+      self.assertLen(versions, t.num_action_tokens)
+      self.assertEqual(versions, sorted(versions))
+      self.assertEqual(t.policy_version, versions[0])
+      both += len(set(versions)) == 2
+      # Each turn's version is the oldest of its tokens'.
+      starts = np.cumsum([0] + [len(a) for a in _turn_actions(t)])
+      self.assertEqual(t.turn_versions, tuple(versions[s] for s in starts[:-1]))
+    self.assertGreaterEqual(both, 1)
+    # An episode that started after the swap is exactly the new model's greedy episode.
+    late = [t for t in got if t.info['token_versions'][0] == 5]
+    self.assertNotEmpty(late)
+    log_pi, logits = _forward_logprobs(other, late), _forward_logits(other, late)
+    for i, t in enumerate(late):
+      m, n = t.action_mask, len(t.tokens)
+      np.testing.assert_allclose(t.policy_logprobs[m], log_pi[i, :n][m], atol=2e-4)
+      np.testing.assert_array_equal(t.tokens[m], np.argmax(logits[i, :n - 1], axis=-1)[m[1:]])
+
+  def test_env_steps_do_not_block_other_slots(self):
+    """Episode 0's env step waits until episode 1 has finished: only a runner that keeps decoding other slots
+    while an env step is pending gets there (a static batch would deadlock; the test times out the wait)."""
+    released = threading.Event()
+
+    def on_step(env):
+      if env.example.uid == '0':
+        self.assertTrue(released.wait(timeout=60), 'episode 1 never finished while episode 0 waited')
+
+    task = helpers.EchoTask(self.examples, 'message', self.stop_texts, 3, on_step)
+    runner = ContinuousRunner(self.slots, self.tok, limits=self.limits, decoding=_GREEDY)
+    self.addCleanup(runner.close)
+    runner.submit([task.make_env(self.examples[0]), task.make_env(self.examples[2])], seeds=[0, 1],
+                  keys=['slow', 'fast'])
+    finished = []
+    while runner.pending:
+      for key, _ in runner.step():
+        finished.append(key)
+        if key == 'fast':
+          released.set()
+    self.assertEqual(finished, ['fast', 'slow'])
+
+  def test_actor_streams_whole_groups_of_the_static_episodes(self):
+    """The Actor with `continuous=True`: `play` (sync mode) and its thread's streaming loop (async mode) give
+    whole groups, in prompt order for `play`, with the static sampler's greedy episodes."""
+    n = len(self.examples)
+    want = rollout.run_episodes(self.backend, self.tok, self._envs(range(n)), limits=self.limits,
+                                decoding=_GREEDY, seeds=list(range(n)))
+    publisher = actor_lib.WeightPublisher()
+    publisher.publish(self.model, version=4)
+    prompts = actor_lib.PromptSource(itertools.cycle(self.examples))
+    actor = actor_lib.Actor(self.backend, self.tok, self.task, prompts, publisher=publisher, limits=self.limits,
+                            decoding=_GREEDY, seed=0, group_size=2, episodes_per_call=2, continuous=True,
+                            slot_sampler=self.slots)
+    items = actor.play(2)
+    queue = _ListQueue(stop_after=3)
+    thread = actor_lib.ActorThread(actor, queue)
+    queue.thread = thread
+    thread.run()  # In this thread: returns when the stub queue has 3 items.
+    self.assertIsNone(thread.error)
+    items += queue.items
+    self.assertEqual([it[0].info['prompt_number'] for it in items[:2]], [0, 1])
+    self.assertEqual(sorted(it[0].info['prompt_number'] for it in items[2:]), [2, 3, 4])
+    for item in items:
+      self.assertLen(item, 2)
+      number = item[0].info['prompt_number']
+      for t in item:
+        self.assertEqual(t.group_id, number)
+        np.testing.assert_array_equal(t.tokens, want[number % n].tokens)
+    self.assertEqual(actor.generated_tokens, sum(t.num_action_tokens for it in items for t in it))
+    self.assertEqual(queue.reserved, 2 * 5 - 2 * 2)  # Every started prompt reserved its group's room.
+    self.assertEqual(self.slots.num_compiled(), self.compiled)
+
+
+class _ListQueue:
+  """A stub `TrajectoryQueue`: unbounded, records reservations and items; stops the thread after N items."""
+
+  def __init__(self, stop_after):
+    self.items, self.reserved, self.stop_after, self.thread = [], 0, stop_after, None
+
+  def reserve(self, n, timeout=None):
+    del timeout
+    self.reserved += n
+    return True
+
+  def release(self, n):
+    self.reserved -= n
+
+  def put(self, item, timeout=None, *, reserved=False):
+    del timeout, reserved
+    self.items.append(item)
+    if len(self.items) >= self.stop_after:
+      self.thread.stop()
+    return True
+
+
+def _turn_actions(t):
+  """The action tokens of each turn (runs of the action mask)."""
+  out, cur = [], []
+  for tok, a in zip(t.tokens, t.action_mask):
+    if a:
+      cur.append(tok)
+    elif cur:
+      out.append(cur)
+      cur = []
+  return out + ([cur] if cur else [])
+
+
+def _padded(trajs, rows=8, length=128):
+  out = np.zeros((rows, length), np.int32)  # One shape for every call (one compile).
+  for i, t in enumerate(trajs):
+    out[i, :len(t.tokens)] = t.tokens
+  return out
+
+
+@nnx.jit(static_argnames=('temperature',))
+def _token_logprobs(model, tokens, temperature=1.0):
+  return logprobs_lib.token_logprobs(model, tokens, temperature=temperature)
+
+
+def _forward_logprobs(model, trajs, temperature=1.0):
+  """`models.logprobs.token_logprobs` of the right-padded trajectories (causal: padding changes nothing)."""
+  return np.asarray(_token_logprobs(model, _padded(trajs), temperature=temperature))
+
+
+@nnx.jit
+def _logits(model, tokens):
+  return model(tokens)
+
+
+def _forward_logits(model, trajs):
+  return np.asarray(_logits(model, _padded(trajs)))
+
+
+if __name__ == '__main__':
+  absltest.main()
