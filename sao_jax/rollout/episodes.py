@@ -33,8 +33,8 @@ mass, 0). `run_episode` plays one episode with a per-episode generate function (
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
