@@ -300,6 +300,16 @@ class ActorThread(threading.Thread):
   def stop(self) -> None:
     self._stop_event.set()
 
+  def _failed(self, error: Exception, what: str, consecutive: int) -> bool:
+    """Logs and counts a failure; True when this thread should stop (too many in a row)."""
+    self.failures += 1
+    self.error = error
+    logging.exception('%s: %s failed (%d in a row): %s', self.name, what, consecutive, error)
+    if consecutive >= self.max_consecutive_failures:
+      logging.error('%s: stopping after %d consecutive failures.', self.name, consecutive)
+      return True
+    return False
+
   def run(self) -> None:
     if self.actor.continuous:
       self._run_continuous()
@@ -316,12 +326,8 @@ class ActorThread(threading.Thread):
         items = self.actor.play()
       except Exception as e:  # pylint: disable=broad-except  (logged, counted; the loop goes on)
         self.queue.release(n)
-        self.failures += 1
         consecutive += 1
-        self.error = e
-        logging.exception('%s: a batch of episodes failed (%d in a row): %s', self.name, consecutive, e)
-        if consecutive >= self.max_consecutive_failures:
-          logging.error('%s: stopping after %d consecutive failures.', self.name, consecutive)
+        if self._failed(e, 'a batch of episodes', consecutive):
           return
         continue
       consecutive = 0
@@ -330,7 +336,6 @@ class ActorThread(threading.Thread):
           self.queue.put(item, reserved=True)
       except QueueClosed:
         return
-
 
   def _run_continuous(self) -> None:
     """Continuous batching: prompts enter as slots free up (each reserving its room in the queue first) and
@@ -348,12 +353,8 @@ class ActorThread(threading.Thread):
         return
       except Exception as e:  # pylint: disable=broad-except  (logged, counted; the loop goes on)
         self.queue.release(actor.abandon())
-        self.failures += 1
         consecutive += 1
-        self.error = e
-        logging.exception('%s: continuous episodes failed (%d in a row): %s', self.name, consecutive, e)
-        if consecutive >= self.max_consecutive_failures:
-          logging.error('%s: stopping after %d consecutive failures.', self.name, consecutive)
+        if self._failed(e, 'continuous episodes', consecutive):
           return
         continue
       if items:
