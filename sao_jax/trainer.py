@@ -335,7 +335,7 @@ def run(config: Any) -> dict[str, Any]:
   if ckpt.latest_step() is not None:
     start = restore_checkpoint(ckpt, learner, config, prompts)
 
-  # ---- [sft hook] Supervised warm start (config.sft, sao_jax/sft.py): a fresh run only, before the actors start.
+  # ---- Supervised warm start (config.sft, sao_jax/sft.py): a fresh run only, before the actors start.
   # Its metrics (eval accuracy before / after it, losses) go into the step-0 row and the run summary.
   warm = {}
   if start == 0 and int(config.sft.steps) > 0:
@@ -527,8 +527,9 @@ def run(config: Any) -> dict[str, Any]:
   summary = {'steps': step, 'trajectories': trajectories_trained, 'wall_s': wall,
              'start_accuracy': None if first_eval is None else first_eval['eval_accuracy'],
              'end_accuracy': None if last_eval is None else last_eval['eval_accuracy'],
-             'stopped_by_signal': stopped}
-  if 'sft/eval_accuracy' in warm:  # [sft hook] start = before the warm start; sft = after it (step 0).
+             'stopped_by_signal': stopped, 'generated_tokens': int(actor_tokens.total),
+             'tokens_per_s': actor_tokens.total / wall if wall > 0 else 0.0}  # Actors' tokens over the whole run.
+  if 'sft/eval_accuracy' in warm:  # start = before the warm start; sft = after it (step 0).
     summary.update(start_accuracy=warm['sft/eval_accuracy_before'], sft_accuracy=warm['sft/eval_accuracy'])
   logging.info('Run summary: %s', summary)
   return summary
