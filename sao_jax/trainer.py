@@ -420,8 +420,9 @@ def run(config: Any) -> dict[str, Any]:
       writer.write(0, {**first_eval, 'trajectories': 0, **warm})
       logging.info('step 0: eval accuracy %.3f', first_eval['eval_accuracy'])
 
-    def draw(version: int) -> tuple[rollout.Packed, list[int], float, collections.Counter[str]]:
-      """`rows` trajectories that pass the staleness filter (for a step at `version`), packed."""
+    def draw(version: int) -> tuple[rollout.Packed, list[int], float, collections.Counter[str], dict[str, float]]:
+      """`rows` trajectories that pass the staleness filter (for a step at `version`), packed; with their
+      staleness, the time waited for them, what was dropped, and their episodes' mean timing."""
       trajs: list = []
       staleness: list[int] = []
       wait_s = 0.0
@@ -449,7 +450,10 @@ def run(config: Any) -> dict[str, Any]:
       packed = rollout.pack(trajs, seq_buckets=tuple(tr.seq_buckets), pad_id=tokenizer.pad_id, rows=rows,
                             group_size=group_size, truncation=cfg.truncation)
       counts['dropped_pack'] += sum(dropped_pack.values())
-      return packed, staleness, wait_s, dropped_pack
+      # Episode timing of the batch (the loop benchmark's calibration of sao_jax.sim reads these).
+      timing = {'episode/generate_s': float(np.mean([t.generate_seconds for t in trajs])),
+                'episode/env_s': float(np.mean([t.env_seconds for t in trajs]))}
+      return packed, staleness, wait_s, dropped_pack, timing
 
     # Async mode prefetches: the next batch is drawn, packed and placed while the update runs (JAX dispatch is
     # asynchronous; nothing blocks on the step's results before that). Sync mode draws after each update: its
@@ -462,7 +466,7 @@ def run(config: Any) -> dict[str, Any]:
     while step < int(tr.num_steps) and not (stopped := _any_process(stop.set)):
       if upcoming is None:
         upcoming = draw(step)
-      packed, staleness, wait_s, dropped_pack = upcoming
+      packed, staleness, wait_s, dropped_pack, timing = upcoming
       upcoming = None
       actor_tokens.add(sum(a.generated_tokens for a in actors()) - actor_tokens.total)
       t_dispatch = time.perf_counter()
@@ -492,10 +496,7 @@ def run(config: Any) -> dict[str, Any]:
           'learner/tokens_per_s': learner_metrics.get('perf/tokens_per_s'),
           'actor/tokens_per_s': actor_tokens.rate(),
           'learner/version': step,
-          # Episode timing of the batch (the loop benchmark's calibration of sao_jax.sim reads these).
-          'episode/generate_s': float(np.mean([t.generate_seconds for t in trajs])),
-          'episode/env_s': float(np.mean([t.env_seconds for t in trajs])),
-          'learner/busy_s': dt - wait_s,
+          **timing, 'learner/busy_s': dt - wait_s,
       }
       if tr.eval_every and (step % int(tr.eval_every) == 0 or step == int(tr.num_steps)):
         last_eval = evaluate(step)
