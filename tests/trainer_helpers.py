@@ -25,6 +25,7 @@ TINY: dict[str, Any] = {
     'trainer.eval_every': 0,
     'trainer.checkpoint_every': 0,
     'trainer.tensorboard': False,
+    'sft.steps': 0,  # No warm start (configs/arith.py has one; tests/sft_test.py covers it).
 }
 
 

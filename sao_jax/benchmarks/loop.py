@@ -1,6 +1,6 @@
 r"""The actor-learner loop on an agentic-like workload: trained trajectories/s, learner idle, staleness.
 
-  python -m sao_jax.benchmarks.loop [--rounds=2 --steps=12 --skip=3 --threads=4 --json=m.json] [--quick]
+  python -m sao_jax.benchmarks.loop [--rounds=2 --num_steps=12 --skip=3 --threads=4 --json=m.json] [--quick]
 
 Runs the real trainer (`sao_jax.trainer.run`) on the tiny model with the `latency` task (sao_jax/envs/latency.py):
 multi-turn episodes whose tool calls sleep a clipped log-normal time (median 150 ms, sigma 0.8, in [20, 500] ms),
@@ -49,10 +49,10 @@ LETTERS = 'abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ'
 
 _QUICK = flags.DEFINE_bool('quick', False, 'A couple of steps on a tiny workload (the test suite runs this).')
 _ROUNDS = flags.DEFINE_integer('rounds', 2, 'Interleaved rounds of all settings.')
-_STEPS = flags.DEFINE_integer('steps', 12, 'Learner steps per run.')
+_STEPS = flags.DEFINE_integer('num_steps', 12, 'Learner steps per run.')
 _SKIP = flags.DEFINE_integer('skip', 3, 'First steps of a run left out of the rates (compile, warm-up).')
 _THREADS = flags.DEFINE_integer('threads', 4, 'Actor threads in async mode.')
-_BATCH = flags.DEFINE_integer('batch', 16, 'Trajectories per learner step.')
+_BATCH = flags.DEFINE_integer('batch_size', 16, 'Trajectories per learner step.')
 _CALL = flags.DEFINE_integer('call_rows', 8, 'Episodes per sampler call (GRPO: one group of G = call_rows).')
 _SETTINGS = flags.DEFINE_list('settings', list(SETTINGS), f'Which of {SETTINGS}.')
 _PROBE = flags.DEFINE_integer('probe_calls', 5, 'Sampler calls of the timing probe (0 = no probe).')
