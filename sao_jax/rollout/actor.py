@@ -310,6 +310,15 @@ class ActorThread(threading.Thread):
       return True
     return False
 
+  def _put_all(self, items) -> bool:
+    """Puts finished items into their reserved room; False once the queue is closed (the thread ends)."""
+    try:
+      for item in items:
+        self.queue.put(item, reserved=True)
+    except QueueClosed:
+      return False
+    return True
+
   def run(self) -> None:
     if self.actor.continuous:
       self._run_continuous()
@@ -331,10 +340,7 @@ class ActorThread(threading.Thread):
           return
         continue
       consecutive = 0
-      try:
-        for item in items:
-          self.queue.put(item, reserved=True)
-      except QueueClosed:
+      if not self._put_all(items):
         return
 
   def _run_continuous(self) -> None:
@@ -359,11 +365,9 @@ class ActorThread(threading.Thread):
         continue
       if items:
         consecutive = 0
-      try:
-        for item in items:
-          self.queue.put(item, reserved=True)
-      except QueueClosed:
+      if not self._put_all(items):
         return
+
 
 def play_rows(actor: Actor, rows: int) -> list[types.Trajectory]:
   """Sync mode: exactly `rows` trajectories (whole groups) from calls of at most one full call each."""
