@@ -142,6 +142,7 @@ FIELDS: dict[str, Check] = {
     'algo.critic_warmup_steps': _int(ge=0),
     'algo.value_clip_eps': _float(ge=0.0),
     'algo.truncation': _choice(algo_lib.TRUNCATIONS),
+    'algo.gae_over': _choice(algo_lib.GAE_OVER),
     'algo.group_size': _int(ge=1),  # And algo.check_config (>= 2 for the group algorithms).
     'algo.group_std_normalize': Check(bool),
     'algo.group_baseline': _choice(algo_lib.GROUP_BASELINES),

@@ -29,7 +29,7 @@ _EXPECTED = {
     'sao': {'algo.clip_mode': 'double_side', 'algo.eps_low': 0.3, 'algo.eps_high': 5.0, 'algo.agg': 'token_mean',
             'algo.lam_critic': 1.0, 'algo.lam_policy': -1.0, 'algo.adaptive_alpha': 1.5,
             'algo.advantages_from': 'updated_critic', 'algo.critic_epochs': 2, 'algo.critic_warmup_steps': 10,
-            'optim.freeze_critic_attention': True, 'algo.group_size': 1},
+            'optim.freeze_critic_attention': True, 'algo.gae_over': 'actions', 'algo.group_size': 1},
     'ppo': {'algo.clip_mode': 'ppo', 'algo.eps_low': 0.2, 'algo.eps_high': 0.2, 'algo.lam_critic': 0.95,
             'algo.lam_policy': 0.95, 'algo.advantages_from': 'pre_update', 'algo.critic_epochs': 1,
             'algo.critic_warmup_steps': 0, 'optim.freeze_critic_attention': False, 'algo.group_size': 1},

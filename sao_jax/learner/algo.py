@@ -10,7 +10,8 @@ A field set explicitly to a value that differs from the preset is an ABLATION: a
 |---------|--------|-------------|--------------------|---------------------|------------------------------------------|
 | sao     | critic | double_side | 0.3 / 5.0 (math)   | token_mean          | adaptive lam_policy (alpha 1.5),         |
 |         |        |             | 0.8 / 3.0 (agentic)|                     | lam_critic 1, K=2 critic epochs, frozen  |
-|         |        |             |                    |                     | critic attention, 10 warmup steps, G=1   |
+|         |        |             |                    |                     | critic attention, 10 warmup steps, G=1,  |
+|         |        |             |                    |                     | skip-observation GAE (gae_over=actions)  |
 | ppo     | critic | ppo         | 0.2 / 0.2          | token_mean          | lam 0.95 (critic and policy), 1 critic   |
 |         |        |             |                    |                     | epoch, advantages from the pre-update    |
 |         |        |             |                    |                     | critic, no frozen attention, no warmup   |
@@ -39,6 +40,7 @@ GROUP_ALGOS = ('grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo')
 DOMAINS = ('math', 'agentic')
 ADVANTAGE_SOURCES = ('updated_critic', 'pre_update')  # Critic values the policy advantages come from.
 TRUNCATIONS = ('bootstrap', 'drop')  # A trajectory cut by a length / turn limit.
+GAE_OVER = ('actions', 'span')  # GAE's TD chain: action tokens only (skip observations, SAO) or through them.
 GROUP_BASELINES = ('mean', 'leave_one_out')  # GRPO's group mean, RLOO's leave-one-out mean.
 
 # The settings that define each algorithm (`config.<path>` -> value). A field absent from a preset is not
@@ -48,13 +50,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         'algo.clip_mode': 'double_side', 'algo.eps_low': 0.3, 'algo.eps_high': 5.0, 'algo.agg': 'token_mean',
         'algo.lam_critic': 1.0, 'algo.lam_policy': -1.0, 'algo.adaptive_alpha': 1.5,
         'algo.advantages_from': 'updated_critic', 'algo.critic_epochs': 2, 'algo.critic_warmup_steps': 10,
-        'optim.freeze_critic_attention': True, 'algo.group_size': 1,
+        'optim.freeze_critic_attention': True, 'algo.gae_over': 'actions', 'algo.group_size': 1,
     },
     'ppo': {
         'algo.clip_mode': 'ppo', 'algo.eps_low': 0.2, 'algo.eps_high': 0.2, 'algo.agg': 'token_mean',
         'algo.lam_critic': 0.95, 'algo.lam_policy': 0.95, 'algo.advantages_from': 'pre_update',
         'algo.critic_epochs': 1, 'algo.critic_warmup_steps': 0, 'optim.freeze_critic_attention': False,
-        'algo.group_size': 1,
+        'algo.gae_over': 'actions', 'algo.group_size': 1,
     },
     'grpo': {
         'algo.clip_mode': 'ppo', 'algo.eps_low': 0.2, 'algo.eps_high': 0.2, 'algo.agg': 'seq_mean_token_mean',
@@ -89,8 +91,8 @@ _DOMAIN_PRESETS: dict[tuple[str, str], dict[str, Any]] = {
 _UNUSED: dict[str, Any] = {
     'algo.lam_critic': 1.0, 'algo.lam_policy': 1.0, 'algo.adaptive_alpha': 1.5,
     'algo.advantages_from': 'updated_critic', 'algo.critic_epochs': 1, 'algo.critic_warmup_steps': 0,
-    'optim.freeze_critic_attention': False, 'algo.group_std_normalize': True, 'algo.group_baseline': 'mean',
-    'algo.dynamic_sampling': False,
+    'optim.freeze_critic_attention': False, 'algo.gae_over': 'actions', 'algo.group_std_normalize': True,
+    'algo.group_baseline': 'mean', 'algo.dynamic_sampling': False,
 }
 ALGOS = tuple(PRESETS)
 # Every field some preset sets: `configs/base.py` leaves them `None` (a placeholder of the right type).
@@ -217,6 +219,7 @@ class StepConfig:
   critic_warmup_steps: int
   value_clip_eps: float
   truncation: str
+  gae_over: str
   group_std_normalize: bool
   group_baseline: str
   group_size: int
@@ -248,7 +251,7 @@ class StepConfig:
         adaptive_alpha=float(a.adaptive_alpha), whiten_advantages=bool(a.whiten_advantages),
         advantages_from=a.advantages_from, critic_epochs=int(a.critic_epochs),
         critic_warmup_steps=int(a.critic_warmup_steps), value_clip_eps=float(a.value_clip_eps),
-        truncation=a.truncation, group_std_normalize=bool(a.group_std_normalize),
+        truncation=a.truncation, gae_over=a.gae_over, group_std_normalize=bool(a.group_std_normalize),
         group_baseline=a.group_baseline, group_size=int(a.group_size),
         behavior_correction=a.behavior_correction, tis_cap=float(a.tis_cap), icepop_low=float(a.icepop_low),
         icepop_high=float(a.icepop_high), kl_coef=float(a.kl_coef), kl_estimator=a.kl_estimator,

@@ -425,6 +425,8 @@ def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
       mask = action_mask * (~truncated).astype(f32)[:, None]
     else:
       mask = action_mask
+    # The TD chain of GAE (and the critic's trained tokens): the action tokens, or their span (ablation).
+    chain = mask if cfg.gae_over == 'actions' else losses.action_span_mask(mask)
     parts = num_microbatches(batch.tokens.shape[0], cfg.microbatch_size)
     pad_id = state_lib.merge(critic_spec, state.critic).cfg.pad_id  # Static: the critic's ModelConfig.
     lengths = real_lengths(batch.tokens, batch.action_mask, pad_id)
@@ -441,12 +443,12 @@ def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
 
     # 1-2. Fixed value targets from the critic before its update.
     values_old, next_old = values_of(state.critic)
-    _, returns = losses.skip_observation_gae(batch.rewards, values_old, mask, gamma=cfg.gamma,
+    _, returns = losses.skip_observation_gae(batch.rewards, values_old, chain, gamma=cfg.gamma,
                                               lam=cfg.lam_critic, bootstrap=bootstrap(next_old))
     returns = jax.lax.stop_gradient(returns)
 
     # 3. K critic epochs on the fixed returns.
-    critic_data = {'tokens': batch.tokens, 'returns': returns, 'mask': mask, 'old_values': values_old}
+    critic_data = {'tokens': batch.tokens, 'returns': returns, 'mask': chain, 'old_values': values_old}
     critic_ts, critic_m = run_updates(critic_spec, state.critic, critic_data, critic_objective(cfg),
                                       epochs=cfg.critic_epochs, minibatch_size=cfg.minibatch_size,
                                       microbatch_size=cfg.microbatch_size, mesh=mesh)
@@ -458,8 +460,9 @@ def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
       values_new, next_new = values_old, next_old
     lam = (losses.adaptive_lambda(mask, cfg.adaptive_alpha) if cfg.lam_policy < 0
            else jnp.full((mask.shape[0],), cfg.lam_policy, f32))
-    advantages, _ = losses.skip_observation_gae(batch.rewards, values_new, mask, gamma=cfg.gamma, lam=lam,
+    advantages, _ = losses.skip_observation_gae(batch.rewards, values_new, chain, gamma=cfg.gamma, lam=lam,
                                                  bootstrap=bootstrap(next_new))
+    advantages = advantages * mask  # The policy's tokens only (a no-op for the action chain).
     if cfg.whiten_advantages:
       advantages = losses.whiten(advantages, mask)
     advantages = jax.lax.stop_gradient(advantages)

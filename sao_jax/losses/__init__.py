@@ -3,6 +3,7 @@
 Nothing here imports the rest of the package, holds state or touches a model.
 """
 
+from sao_jax.losses.advantages import action_span_mask
 from sao_jax.losses.advantages import adaptive_lambda
 from sao_jax.losses.advantages import broadcast_to_tokens
 from sao_jax.losses.advantages import default_gae_impl

@@ -280,6 +280,26 @@ def adaptive_lambda(action_mask: jax.Array, alpha: float | jax.Array = 1.5) -> j
   return jnp.where(n > 0, jnp.clip(lam, 0.0, 1.0), 0.0)
 
 
+def action_span_mask(action_mask: jax.Array) -> jax.Array:
+  """The tokens from a row's first action token to its last, observations between them included.
+
+  `span[b, t] = 1` iff `any(m[b, :t+1] > 0) and any(m[b, t:] > 0)`. GAE over this mask instead of the action
+  mask runs the TD chain *through* the observation tokens (each one a step with reward 0 and its own value):
+  the ablation of SAO's skip-observation GAE. On a single-turn row it equals the action mask.
+
+  Args:
+    action_mask: `[B, T]`.
+
+  Returns:
+    float32 `[B, T]`.
+  """
+  chex.assert_rank(action_mask, 2)
+  acted = (action_mask > 0).astype(jnp.int32)
+  after_first = jnp.cumsum(acted, axis=1) > 0
+  before_last = jnp.cumsum(acted[:, ::-1], axis=1)[:, ::-1] > 0
+  return (after_first & before_last).astype(jnp.float32)
+
+
 def _group_mean(rewards: jax.Array) -> jax.Array:
   """Row mean `[P, 1]` computed as `r_0 + mean(r - r_0)`: exact when a group's rewards are all equal."""
   first = rewards[:, :1]

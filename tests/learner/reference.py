@@ -71,6 +71,9 @@ class SaoVariant:
     band: 'open' (strict `<`) or 'closed' (`<=`: edge tokens kept).
     denominator: 'all' (every action token) or 'kept' (only tokens inside the band).
     value_shift: 1 (V[t] = v[t - 1], DESIGN alignment) or 0 (V[t] = v[t]: values misaligned by one).
+    chain: 'actions' (GAE's TD chain over the action tokens only, skipping observations: SAO) or 'span' (the
+      chain runs through every token from a row's first action to its last: `algo.gae_over='span'`, the
+      ablation; its critic also fits those tokens).
   """
   advantages_from: str = 'updated_critic'
   lam_policy: float | None = None
@@ -79,6 +82,7 @@ class SaoVariant:
   band: str = 'open'
   denominator: str = 'all'
   value_shift: int = 1
+  chain: str = 'actions'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +198,16 @@ def adaptive_lambda(mask, alpha) -> np.ndarray:
   return out
 
 
+def span(mask) -> np.ndarray:
+  """1 from each row's first action token to its last (observation tokens between them included)."""
+  out = np.zeros(mask.shape)
+  for b in range(mask.shape[0]):
+    acted = np.flatnonzero(mask[b])
+    if len(acted):
+      out[b, acted[0]:acted[-1] + 1] = 1.0
+  return out
+
+
 def _last_real_token(row_tokens_mask) -> int:
   return int(np.flatnonzero(row_tokens_mask)[-1])
 
@@ -245,12 +259,14 @@ def sao_step(policy: nnx.Module, critic: nnx.Module, batch, s: Settings, variant
         boot[b] = out[b, last] if v.bootstrap == 'after_last' else values[b, last]
     return values, boot
 
+  chain = mask if v.chain == 'actions' else span(mask)
+
   # Fixed returns (lambda_critic = 1) from the critic before its update.
   values_old, boot_old = values_and_bootstrap(cparams)
-  _, returns = gae(rewards, values_old, mask, boot_old, s.gamma, np.ones(rows))
+  _, returns = gae(rewards, values_old, chain, boot_old, s.gamma, np.ones(rows))
 
   # K critic SGD updates on the fixed returns.
-  returns32, mask32 = jnp.asarray(returns, jnp.float32), jnp.asarray(mask, jnp.float32)
+  returns32, mask32 = jnp.asarray(returns, jnp.float32), jnp.asarray(chain, jnp.float32)
   params = cparams
   for _ in range(s.critic_epochs):
     grads = _critic_grad(cgraph, params, crest, jnp.asarray(tokens), returns32, mask32, v.value_shift)
@@ -261,7 +277,8 @@ def sao_step(policy: nnx.Module, critic: nnx.Module, batch, s: Settings, variant
   values_new, boot_new = (values_and_bootstrap(params) if v.advantages_from == 'updated_critic'
                           else (values_old, boot_old))
   lam = adaptive_lambda(mask, s.alpha) if v.lam_policy is None else np.full(rows, float(v.lam_policy))
-  advantages, _ = gae(rewards, values_new, mask, boot_new, s.gamma, lam)
+  advantages, _ = gae(rewards, values_new, chain, boot_new, s.gamma, lam)
+  advantages = advantages * mask  # The policy trains on its own tokens.
 
   # Ratio to the behaviour log-probs, strict band, one SGD step on the token mean.
   pgraph, pparams, prest = _split(policy, nnx.Param)

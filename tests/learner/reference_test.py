@@ -70,7 +70,7 @@ GRPO_REWARDS = (1.0, 0.0, 0.5, 1.0, 0.0, 2.0, -1.0, 0.3)
 T = 24
 
 
-def _config(algo: str, s: ref.Settings, rows: int):
+def _config(algo: str, s: ref.Settings, rows: int, gae_over: str = 'actions'):
   """The learner config with every field the step depends on set explicitly."""
   c = base.get_config()
   a, o, tr = c.algo, c.optim, c.trainer
@@ -92,6 +92,7 @@ def _config(algo: str, s: ref.Settings, rows: int):
     a.advantages_from = 'updated_critic'
     a.value_clip_eps = 0.0
     a.truncation = 'bootstrap'
+    a.gae_over = gae_over
     a.group_size = 1
   else:
     a.clip_mode = 'ppo'
@@ -168,11 +169,11 @@ def _flat_model(model, trained):
   return ref.flat(params), ref.flat(rest)
 
 
-def _run_learner(algo, settings, policy, critic, batch, real) -> Run:
+def _run_learner(algo, settings, policy, critic, batch, real, gae_over='actions') -> Run:
   before = {'policy': _flat_model(policy, nnx.Param)[0]}
   if critic is not None:
     before['critic'], before['critic_rest'] = _flat_model(critic, ref.CRITIC_TRAINED)
-  learner = Learner(_config(algo, settings, len(batch.tokens)), policy=policy, critic=critic, mesh=H.mesh(1, 1),
+  learner = Learner(_config(algo, settings, len(batch.tokens), gae_over), policy=policy, critic=critic, mesh=H.mesh(1, 1),
                     model_config=H.MODEL)
   learner.update(batch)
   after = {'policy': ref.flat(H.host(learner.state.policy.params))}
@@ -183,7 +184,7 @@ def _run_learner(algo, settings, policy, critic, batch, real) -> Run:
 
 
 @functools.cache
-def _sao() -> Run:
+def _sao(gae_over: str = 'actions') -> Run:
   policy = Decoder(H.MODEL, rngs=nnx.Rngs(0))
   critic = value_lib.ValueModel(H.MODEL, rngs=nnx.Rngs(1))  # Its own backbone; a non-zero head.
   critic.head.kernel[...] = 0.1 * jax.random.normal(jax.random.key(2), critic.head.kernel.shape)
@@ -198,7 +199,7 @@ def _sao() -> Run:
                 behavior_logprobs=_behavior(_initial_logprobs(policy, tokens), action, seed=0), rewards=rewards,
                 truncated=truncated, group_ids=np.full(rows, -1, np.int32), row_mask=row_mask,
                 policy_version=np.zeros(rows, np.int32))
-  return _run_learner('sao', SAO, policy, critic, batch, real)
+  return _run_learner('sao', SAO, policy, critic, batch, real, gae_over)
 
 
 @functools.cache
@@ -233,6 +234,7 @@ SAO_WRONG = {
     'token mean over kept tokens only': ref.SaoVariant(denominator='kept'),
     'values misaligned by one': ref.SaoVariant(value_shift=0),
     'closed band (<=)': ref.SaoVariant(band='closed'),
+    'GAE through observation tokens': ref.SaoVariant(chain='span'),
 }
 GRPO_WRONG = {
     'no std normalisation': ref.GrpoVariant(std_normalize=False),
@@ -261,6 +263,14 @@ class SaoReferenceStepTest(absltest.TestCase):
         np.testing.assert_allclose(got[k], getattr(want, name)[k], rtol=0, atol=ATOL, err_msg=f'{name} {k}')
     logging.info('SAO step: learner vs reference %.2e (policy moved %.2e, critic %.2e)',
                  _sao_distance(want), moved['policy'], moved['critic'])
+
+  def test_gae_through_observations_ablation_matches_the_reference(self):
+    # `algo.gae_over='span'` (the ablation of skip-observation GAE) against the reference's span chain; the
+    # SAO learner's distance to the span reference is among the wrong variants below.
+    run, want = _sao('span'), _sao_reference(ref.SaoVariant(chain='span'))
+    for name in ('policy', 'critic'):
+      for k, got in run.after[name].items():
+        np.testing.assert_allclose(got, getattr(want, name)[k], rtol=0, atol=ATOL, err_msg=f'{name} {k}')
 
   def test_frozen_critic_attention_did_not_move(self):
     run = _sao()

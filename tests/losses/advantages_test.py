@@ -189,6 +189,25 @@ class SkipObservationGaeTest(parameterized.TestCase):
     self.assertEqual(advantages.default_gae_impl('tpu'), 'associative')
 
 
+class ActionSpanMaskTest(absltest.TestCase):
+
+  def test_matches_first_to_last_action_loop(self):
+    rng = np.random.default_rng(3)
+    m = (rng.random((6, 17)) < 0.3).astype(np.float32)
+    m[0] = 0.0  # A row without actions: empty span.
+    m[1] = 0.0
+    m[1, [2, 3, 4]] = 1.0  # One turn: the span is the action mask itself.
+    want = np.zeros_like(m)
+    for b in range(len(m)):
+      acted = np.flatnonzero(m[b])
+      if len(acted):
+        want[b, acted[0]:acted[-1] + 1] = 1.0
+    got = np.asarray(advantages.action_span_mask(jnp.asarray(m)))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got[1], m[1])
+    self.assertGreater((got > m).sum(), 0)  # Observation gaps were filled.
+
+
 class AdaptiveLambdaTest(absltest.TestCase):
 
   def test_values(self):

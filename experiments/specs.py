@@ -1,0 +1,113 @@
+"""The experiments of issue 12 as data: each is a base config, a set of arms (config overrides) and seeds.
+
+An arm is `config.<path> = value` overrides on top of the experiment's config file; every run of an arm is
+`python -m sao_jax.main --config=<config> --workdir=<runs>/<experiment>/<arm>/seed<k> --config.seed=<k>
+--config.<path>=<value> ...`, so any run can be reproduced by hand with the command the runner prints.
+
+Comparisons hold the trajectories per learner step fixed (SAO: B prompts x 1 rollout; group methods: B/G
+prompts x G rollouts) and change one thing at a time (ablations flip one switch of SAO's recipe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  name: str
+  overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+  """One experiment: `config` (a file under configs/, optionally `:arg`) with `overrides` for all arms."""
+  name: str
+  title: str
+  config: str
+  arms: tuple[Arm, ...]
+  seeds: tuple[int, ...] = (0, 1, 2)
+  overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  # Metrics drawn against the learner step besides accuracy (stability: entropy, clipping, grad norms, ...).
+  panels: tuple[str, ...] = ()
+
+  def arm(self, name: str) -> Arm:
+    for a in self.arms:
+      if a.name == name:
+        return a
+    raise KeyError(f'{self.name} has no arm {name!r}; arms: {[a.name for a in self.arms]}')
+
+
+G = 8  # Group size of the group baselines.
+
+
+def _algos(task_overrides: Mapping[str, Any]) -> tuple[Arm, ...]:
+  """SAO (single rollout, value model) vs the group baselines at the same trajectories per step."""
+  return (
+      Arm('sao', {**task_overrides}),
+      Arm('grpo', {**task_overrides, 'algo.name': 'grpo', 'algo.group_size': G}),
+      Arm('dapo', {**task_overrides, 'algo.name': 'dapo', 'algo.group_size': G}),
+      Arm('dr_grpo', {**task_overrides, 'algo.name': 'dr_grpo', 'algo.group_size': G}),
+  )
+
+
+# One switch of SAO's recipe per arm (the learner records each as an ablation of the preset).
+ABLATIONS = (
+    Arm('sao'),
+    Arm('clip_ppo', {'algo.clip_mode': 'ppo', 'algo.eps_low': 0.2, 'algo.eps_high': 0.28}),
+    Arm('clip_dual', {'algo.clip_mode': 'dual_clip', 'algo.eps_low': 0.2, 'algo.eps_high': 0.28}),
+    Arm('critic_k1', {'algo.critic_epochs': 1}),
+    Arm('attention_trained', {'optim.freeze_critic_attention': False}),
+    Arm('no_critic_warmup', {'algo.critic_warmup_steps': 0}),
+    Arm('gae_through_obs', {'algo.gae_over': 'span'}),
+    Arm('fixed_lambda', {'algo.lam_policy': 0.95}),
+    Arm('staleness_0', {'trainer.max_staleness': 0}),
+    Arm('staleness_2', {'trainer.max_staleness': 2}),
+    Arm('staleness_8', {'trainer.max_staleness': 8}),
+)
+
+STABILITY_PANELS = ('learner/policy/entropy', 'learner/policy/clip_frac_low', 'learner/policy/clip_frac_high',
+                    'learner/policy/grad_norm', 'learner/critic/grad_norm', 'learner/critic/explained_variance',
+                    'staleness/mean', 'reward_mean')
+
+EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
+    Experiment('algos_arith', 'SAO vs GRPO / DAPO / Dr.GRPO on arith (async, equal trajectories per step)',
+               'configs/arith.py', _algos({})),
+    Experiment('algos_calculator', 'SAO vs GRPO / DAPO / Dr.GRPO on multi-turn calculator (async)',
+               'configs/calculator.py', _algos({})),
+    Experiment('ablations', "SAO's recipe, one switch at a time (multi-turn calculator)", 'configs/calculator.py',
+               ABLATIONS, panels=('learner/critic/grad_norm', 'learner/critic/explained_variance')),
+    Experiment('stability', 'SAO for 1000 learner steps, async GRPO beside it (calculator)',
+               'configs/calculator.py',
+               (Arm('sao'), Arm('grpo', {'algo.name': 'grpo', 'algo.group_size': G})),
+               seeds=(0,), overrides={'trainer.num_steps': 1000, 'trainer.eval_every': 50},
+               panels=STABILITY_PANELS),
+    Experiment('drift', 'Online learning under drift: SAO vs GRPO across rule shifts', 'configs/drift.py',
+               (Arm('sao'), Arm('grpo', {'algo.name': 'grpo', 'algo.group_size': G})),
+               panels=('drift/phase', 'reward_mean')),
+    Experiment('smollm2', 'SmolLM2-135M-Instruct on arithmetic word problems: SAO vs GRPO (G=8)',
+               'configs/smollm2_arith.py',
+               (Arm('sao'), Arm('grpo', {'algo.name': 'grpo', 'algo.group_size': G})), seeds=(0,)),
+)}
+
+# --quick: a few steps of a tiny model, so the scripts run in the test suite and cannot rot (not results).
+QUICK: dict[str, Any] = {
+    'model.name': 'tiny',
+    'model.tokenizer': 'char',
+    'model.hf_dir': '',
+    'task.eval_size': 4,
+    'sampler.batch_size': 8,
+    'sampler.max_new_tokens': 8,
+    'sampler.max_seq_len': 224,
+    'sampler.prompt_buckets': (224,),
+    'trainer.batch_size': 8,
+    'trainer.seq_buckets': (224,),
+    'trainer.queue_size': 16,
+    'trainer.num_steps': 2,
+    'trainer.eval_every': 1,
+    'trainer.checkpoint_every': 0,
+    'trainer.tensorboard': False,
+    'sft.steps': 0,
+}

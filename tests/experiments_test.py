@@ -1,0 +1,115 @@
+"""experiments/: every arm of every experiment validates; a --quick run writes the report; the report's figures
+(seed statistics, drift recovery) against hand-computed values."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from absl.testing import absltest
+
+from experiments import report
+from experiments import run as run_lib
+from experiments import specs
+from sao_jax import metrics
+from tests import trainer_helpers
+
+
+def _write_run(runs_dir, arm, seed, rows, done=True):
+  workdir = os.path.join(runs_dir, arm, f'seed{seed}')
+  os.makedirs(workdir)
+  with open(os.path.join(workdir, metrics.METRICS_FILE), 'w', encoding='utf-8') as f:
+    f.writelines(json.dumps(r) + '\n' for r in rows)
+  if done:
+    open(os.path.join(workdir, 'done.json'), 'w', encoding='utf-8').write('{}')
+
+
+class SpecsTest(absltest.TestCase):
+
+  def test_every_arm_of_every_experiment_validates(self):
+    run_lib.validate(sorted(specs.EXPERIMENTS), quick=True)
+    self.assertContainsSubset({'algos_arith', 'algos_calculator', 'ablations', 'stability', 'drift', 'smollm2'},
+                              specs.EXPERIMENTS)
+
+  def test_a_bad_arm_is_named(self):
+    bad = specs.Experiment('bad', 'bad', 'configs/arith.py', (specs.Arm('oops', {'algo.clip_mode': 'nope'}),))
+    with absltest.mock.patch.dict(specs.EXPERIMENTS, {'bad': bad}):
+      with self.assertRaisesRegex(ValueError, 'experiment bad, arm oops: .*algo.clip_mode'):
+        run_lib.validate(['bad'], quick=True)
+
+  def test_group_arms_keep_trajectories_per_step(self):
+    for exp in specs.EXPERIMENTS.values():
+      sizes = {run_lib.load_config(exp, run_lib.run_overrides(exp, a, 0, quick=False)).trainer.batch_size
+               for a in exp.arms}
+      self.assertLen(sizes, 1, exp.name)
+
+
+class ReportTest(absltest.TestCase):
+
+  def test_summary_statistics_and_curves(self):
+    exp = specs.EXPERIMENTS['algos_arith']
+    runs_dir, out = tempfile.mkdtemp(), tempfile.mkdtemp()
+    for seed, (a0, a1) in enumerate([(0.1, 0.5), (0.2, 0.7), (0.3, 0.9)]):
+      _write_run(runs_dir, 'sao', seed, [
+          {'step': 0, 'eval_accuracy': a0, 'trajectories': 0, 'time/wall_s': 10.0},
+          {'step': 1, 'reward_mean': 0.4, 'trajectories': 64, 'time/wall_s': 20.0},
+          {'step': 2, 'eval_accuracy': a1, 'trajectories': 128, 'time/wall_s': 30.0 + seed}])
+    _write_run(runs_dir, 'grpo', 0, [{'step': 0, 'eval_accuracy': 0.5}], done=False)  # Unfinished: curves only.
+    got = report.write(exp, runs_dir, out)
+    self.assertEqual(got['runs'], 4)
+    table = open(os.path.join(out, 'summary.md'), encoding='utf-8').read()
+    # Means 0.2 / 0.7, sample std 0.1 / 0.2, wall mean 31.
+    self.assertIn('| sao | 3 | 0.200 ± 0.100 [0.100, 0.300] | 0.700 ± 0.200 [0.500, 0.900] |', table)
+    self.assertIn('| 2 | 128 | 31 |', table)
+    self.assertIn('| grpo | 0 |', table)
+    with open(os.path.join(out, 'curves.csv'), encoding='utf-8') as f:
+      lines = list(csv.DictReader(f))
+    self.assertLen(lines, 10)
+    self.assertEqual([x['eval_accuracy'] for x in lines[:3]], ['0.1', '', '0.5'])
+    self.assertEqual(lines[-1]['done'], '0')
+    self.assertTrue(os.path.getsize(os.path.join(out, 'algos_arith.png')) > 1000)
+
+  def test_drift_recovery_steps(self):
+    phase = [0, 0, 0, 1, 1, 1, 1, 2, 2]
+    acc = {0: 0.2, 2: 0.6, 4: 0.3, 5: 0.5, 6: 0.7, 8: 0.1}
+    rows = [{'step': s, 'drift/phase': p, **({'eval_accuracy': acc[s]} if s in acc else {})}
+            for s, p in enumerate(phase)]
+    # Shift 0->1 after step 2 (level 0.6): back at step 6 (0.7) -> 4 steps. Shift 1->2 after step 6 (level
+    # 0.7): never back -> None.
+    self.assertEqual(report.recovery_steps(rows), [4, None])
+
+
+class QuickRunTest(absltest.TestCase):
+
+  def test_quick_run_writes_the_report_and_does_not_rerun(self):
+    runs = tempfile.mkdtemp()
+    env = trainer_helpers.subprocess_env(devices=1)
+    cmd = [sys.executable, '-m', 'experiments.run', '--experiment=ablations', '--arms=sao,gae_through_obs',
+           '--quick', f'--runs={runs}']
+    proc = subprocess.run(cmd, cwd=trainer_helpers.ROOT, env=env, capture_output=True, text=True, timeout=900,
+                          check=False)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    out = os.path.join(runs, 'quick', 'results', 'ablations')
+    self.assertIn('| sao | 1 |', proc.stdout)
+    self.assertIn('| gae_through_obs | 1 |', proc.stdout)
+    with open(os.path.join(out, 'curves.csv'), encoding='utf-8') as f:
+      lines = list(csv.DictReader(f))
+    for arm in ('sao', 'gae_through_obs'):
+      self.assertEqual([int(x['step']) for x in lines if x['arm'] == arm], [0, 1, 2])
+    self.assertTrue(os.path.exists(os.path.join(out, 'ablations.png')))
+    # The ablation ran as one: the learner recorded its switch.
+    log = open(os.path.join(runs, 'quick', 'ablations', 'gae_through_obs', 'seed0', 'log.txt')).read()
+    self.assertIn('algo.gae_over', log)
+    # A second call finds both runs done and only rewrites the report.
+    before = os.path.getmtime(os.path.join(runs, 'quick', 'ablations', 'sao', 'seed0', metrics.METRICS_FILE))
+    proc = subprocess.run(cmd, cwd=trainer_helpers.ROOT, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    self.assertEqual(before,
+                     os.path.getmtime(os.path.join(runs, 'quick', 'ablations', 'sao', 'seed0', metrics.METRICS_FILE)))
+
+
+if __name__ == '__main__':
+  absltest.main()
