@@ -406,6 +406,14 @@ def run(config: Any) -> dict[str, Any]:
   writer = metrics_lib.MetricsWriter(config.workdir, resume_step=start, tensorboard=bool(tr.tensorboard),
                                      wandb_project=str(tr.wandb_project), config=_flat(config))
   progress = metrics_lib.Progress(int(tr.num_steps), start_step=start)
+  # `time/wall_s` of a row: seconds since the run began, summed over a resumed run's earlier processes (the last
+  # kept row's value carries on), so curves can be drawn against wall time across a kill and resume.
+  wall_before = next((r['time/wall_s'] for r in reversed(metrics_lib.read_metrics(config.workdir))
+                      if 'time/wall_s' in r), 0.0) if start else 0.0
+
+  def wall_s() -> float:
+    return wall_before + time.perf_counter() - t_start
+
   stop = _StopFlag()
   stop.install()
   rows = int(tr.batch_size) // jax.process_count()  # This process's rows of each global batch.
@@ -417,7 +425,7 @@ def run(config: Any) -> dict[str, Any]:
   try:
     if start == 0 and tr.eval_every:
       first_eval = last_eval = evaluate(0)
-      writer.write(0, {**first_eval, 'trajectories': 0, **warm})
+      writer.write(0, {**first_eval, 'trajectories': 0, **warm, 'time/wall_s': wall_s()})
       logging.info('step 0: eval accuracy %.3f', first_eval['eval_accuracy'])
 
     def draw(version: int) -> tuple[rollout.Packed, list[int], float, collections.Counter[str], dict[str, float]]:
@@ -479,6 +487,7 @@ def run(config: Any) -> dict[str, Any]:
         upcoming = draw(step)
         upcoming = (upcoming[0]._replace(batch=learner.put_batch(upcoming[0].batch)), *upcoming[1:])
       learner_metrics = learner.collect(pending)
+      task.set_step(step)  # Step-scheduled tasks (drift with unit='steps') move on with the learner.
       last_done = done_clock.done_at()
       dt, last_dispatch = t_dispatch - last_dispatch, t_dispatch
       trajectories_trained += int(tr.batch_size)
@@ -497,10 +506,12 @@ def run(config: Any) -> dict[str, Any]:
           'actor/tokens_per_s': actor_tokens.rate(),
           'learner/version': step,
           **timing, 'learner/busy_s': dt - wait_s,
+          **task.metrics(),  # E.g. drift/phase.
       }
       if tr.eval_every and (step % int(tr.eval_every) == 0 or step == int(tr.num_steps)):
         last_eval = evaluate(step)
         row.update(last_eval)
+      row['time/wall_s'] = wall_s()
       writer.write(step, row)
       if step % int(tr.log_every) == 0 or step == int(tr.num_steps):
         logging.info(progress.line(step, row))

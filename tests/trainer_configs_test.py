@@ -28,6 +28,11 @@ def config_names() -> list[str]:
                 if not os.path.basename(f).startswith('_'))
 
 
+# Per-config additions to the tiny override: drift switches its rule every learner step, so the rows show the
+# trainer driving a step-scheduled task (`Task.set_step`) and logging its metrics (`drift/phase`: 1 then 2).
+EXTRA = {'drift': {'task.kwargs.unit': 'steps', 'task.kwargs.period': 1}}
+
+
 def _worker(out_path: str, names: list[str] | None = None) -> None:
   """Child process: runs every config (or `names`) for 2 sync steps; writes {name: result or error} as JSON."""
   from absl import logging  # pylint: disable=g-import-not-at-top
@@ -40,9 +45,12 @@ def _worker(out_path: str, names: list[str] | None = None) -> None:
     t0, c0 = time.perf_counter(), time.process_time()
     try:
       config = importlib.import_module(f'configs.{name}').get_config()
-      trainer_helpers.apply(config, {**trainer_helpers.TINY, 'workdir': workdir, 'trainer.mode': 'sync'})
+      trainer_helpers.apply(config, {**trainer_helpers.TINY, **EXTRA.get(name, {}), 'workdir': workdir,
+                                     'trainer.mode': 'sync'})
       summary = trainer.run(config)
-      results[name] = {'steps': summary['steps'], 'rows': [r['step'] for r in metrics.read_metrics(workdir)],
+      rows = metrics.read_metrics(workdir)
+      results[name] = {'steps': summary['steps'], 'rows': [r['step'] for r in rows],
+                       'phases': [r.get('drift/phase') for r in rows],
                        'task': config.task.name, 'algo': config.algo.name,
                        'wall_s': time.perf_counter() - t0, 'cpu_s': time.process_time() - c0}
     except Exception:  # pylint: disable=broad-except  (reported per config by the test)
@@ -57,7 +65,7 @@ class AllConfigsTest(absltest.TestCase):
     names = config_names()
     self.assertContainsSubset({'base', 'arith', 'calculator', 'code', 'drift', 'imo', 'math'}, names)
     out = os.path.join(tempfile.mkdtemp(), 'results.json')
-    env = trainer_helpers.subprocess_env(devices=1, cache_dir=tempfile.mkdtemp())
+    env = trainer_helpers.subprocess_env(devices=1)
     proc = subprocess.run([sys.executable, '-m', 'tests.trainer_configs_test', 'worker', out],
                           cwd=trainer_helpers.ROOT, env=env, capture_output=True, text=True, timeout=900,
                           check=False)
@@ -71,6 +79,7 @@ class AllConfigsTest(absltest.TestCase):
         self.assertNotIn('error', got, f'configs/{name}.py: {got.get("error")}')
         self.assertEqual(got['steps'], 2)
         self.assertEqual(got['rows'], [1, 2])
+    self.assertEqual(results['drift']['phases'], [1.0, 2.0])
 
 
 if __name__ == '__main__':

@@ -1,5 +1,6 @@
 """End-to-end tests of the actor-learner loop on a tiny model: sync and async, resume, signals, failures."""
 
+import json
 import os
 import tempfile
 
@@ -55,9 +56,18 @@ class TrainerTest(absltest.TestCase):
     self.assertEqual(data['prompts']['taken'], 16)
 
     # Resume to step 3: the same command with more steps continues at step 2 with the next prompts.
+    # Its rows' wall time goes on from the last kept row's (set far ahead here, so carrying it is what we see).
+    path = os.path.join(workdir, metrics.METRICS_FILE)
+    lines = [json.loads(line) for line in open(path, encoding='utf-8')]
+    self.assertLess(lines[0]['time/wall_s'], lines[1]['time/wall_s'])
+    lines[1]['time/wall_s'] = 1e6
+    with open(path, 'w', encoding='utf-8') as f:
+      f.writelines(json.dumps(r) + '\n' for r in lines)
     summary = trainer.run(tiny_config(workdir, mode='sync', num_steps=3))
     self.assertEqual(summary['steps'], 3)
-    self.assertEqual([r['step'] for r in metrics.read_metrics(workdir)], [1, 2, 3])
+    rows = metrics.read_metrics(workdir)
+    self.assertEqual([r['step'] for r in rows], [1, 2, 3])
+    self.assertBetween(rows[2]['time/wall_s'], 1e6, 1e6 + summary['wall_s'])
     with checkpoint_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), keep=None) as ckpt:
       self.assertEqual(ckpt.restore(3, items=('data',)).data['prompts']['taken'], 24)
 

@@ -299,8 +299,13 @@ class Task(abc.ABC):
     raise NotImplementedError(f'Task {self.name or type(self).__name__!r} has no reference solutions '
                               '(Task.solution), so it cannot be warm-started (config.sft.steps).')
 
+  def set_step(self, step: int) -> None:
+    """Told the learner's step after every update and on resume (drift's `unit='steps'` schedule reads it);
+    nothing by default."""
+
   def metrics(self) -> dict[str, float]:
-    """Task-level metrics to log (e.g. the drift phase); empty by default."""
+    """Task-level metrics to log (e.g. the drift phase), read by the trainer into every metrics row; empty by
+    default."""
     return {}
 
   def close(self) -> None:
