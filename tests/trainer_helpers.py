@@ -50,15 +50,12 @@ def flags(overrides: dict[str, Any]) -> list[str]:
   return [f'--config.{k}={text(v)}' for k, v in overrides.items()]
 
 
-def subprocess_env(devices: int = 1, cache_dir: str | None = None) -> dict[str, str]:
-  """Environment of a child run: CPU with `devices` simulated devices; a persistent compilation cache in
-  `cache_dir` (shared by the children of one test, so only the first one compiles)."""
-  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
-             PYTHONPATH=ROOT)
-  if cache_dir:
-    env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
-  return env
+def subprocess_env(devices: int = 1) -> dict[str, str]:
+  """Environment of a child run: CPU with `devices` simulated devices; it inherits the suite's persistent
+  compilation cache (tests/conftest.py), so a program compiled by any process of the run is loaded, not
+  compiled again."""
+  return dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+              PYTHONPATH=ROOT)
 
 
 def main_command(config_file: str, workdir: str, overrides: dict[str, Any]) -> list[str]:

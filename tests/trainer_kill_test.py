@@ -58,7 +58,7 @@ class KillTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.env = trainer_helpers.subprocess_env(devices=1, cache_dir=tempfile.mkdtemp())
+    cls.env = trainer_helpers.subprocess_env(devices=1)
 
   def test_sigkill_then_the_same_command_resumes_exactly(self):
     workdir = tempfile.mkdtemp()
