@@ -1,6 +1,7 @@
 """Local `jax.distributed` runs for tests: N processes of one command on this machine, each with simulated CPU
-devices, their output in log files, and a deadline that stops them (SIGTERM, then SIGKILL after a grace period),
-so a hang in a collective fails the test instead of hanging the suite.
+devices, their output in log files, and a deadline that stops them (SIGTERM; after a grace period SIGABRT, which
+makes Python's faulthandler write every thread's stack to the log; then SIGKILL), so a hang in a collective fails
+the test, with where each process sat, instead of hanging the suite.
 
     procs = multiprocess.start(cmd, out_dir, devices_per_process=4)     # SAO_* env vars name each process
     multiprocess.wait(test, procs, timeout_s=300)                      # fails `test` unless all exit 0
@@ -17,7 +18,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRACE_S = 20.0  # Between the SIGTERM of a deadline and the SIGKILL.
+GRACE_S = 20.0  # Between the SIGTERM of a deadline and the SIGABRT (stacks), which is followed by the SIGKILL.
+ABORT_S = 5.0  # For the stacks to be written.
 
 
 def free_port() -> int:
@@ -41,11 +43,18 @@ def env(devices_per_process: int, cache_dir: str | None = None) -> dict[str, str
   """The children's environment: CPU, `devices_per_process` simulated devices, this checkout on the path; a
   persistent compilation cache in `cache_dir` (process 0 writes it; later launches read it)."""
   out = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices_per_process}',
-             JAX_PLATFORMS='cpu', PYTHONPATH=ROOT)
+             JAX_PLATFORMS='cpu', PYTHONPATH=ROOT, PYTHONFAULTHANDLER='1')
   if cache_dir:
     out.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
   return out
+
+
+def _popen(cmd: list[str], env_vars: dict[str, str], log: str) -> Process:
+  # No core file from the SIGABRT of `stop` (`exec`: the shell becomes the child, same pid).
+  cmd = ['sh', '-c', 'ulimit -c 0; exec "$@"', 'sh', *cmd]
+  with open(log, 'ab') as f:  # A file, not a pipe: a child never blocks on a full pipe nobody reads.
+    return Process(subprocess.Popen(cmd, cwd=ROOT, env=env_vars, stdout=f, stderr=subprocess.STDOUT), log)
 
 
 def start(cmd: list[str], out_dir: str, *, num_processes: int = 2, devices_per_process: int = 2,
@@ -57,29 +66,28 @@ def start(cmd: list[str], out_dir: str, *, num_processes: int = 2, devices_per_p
   for i in range(num_processes):
     e = dict(env(devices_per_process, cache_dir), SAO_COORDINATOR_ADDRESS=f'127.0.0.1:{port}',
              SAO_NUM_PROCESSES=str(num_processes), SAO_PROCESS_ID=str(i))
-    log = os.path.join(out_dir, f'{name}{i}.log')
-    with open(log, 'ab') as f:  # A file, not a pipe: a child never blocks on a full pipe nobody reads.
-      procs.append(Process(subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=f, stderr=subprocess.STDOUT), log))
+    procs.append(_popen(cmd, e, os.path.join(out_dir, f'{name}{i}.log')))
   return procs
 
 
 def stop(procs: list[Process], grace_s: float = GRACE_S) -> None:
-  """SIGTERM to every process still running, SIGKILL to those still running `grace_s` later."""
-  for p in procs:
-    if p.popen.poll() is None:
-      p.popen.send_signal(signal.SIGTERM)
-  deadline = time.monotonic() + grace_s
-  for p in procs:
-    try:
-      p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      p.popen.kill()
-      p.popen.wait()
+  """SIGTERM to every process still running; `grace_s` later SIGABRT to those still running (their stacks go to
+  their logs: `PYTHONFAULTHANDLER`), SIGKILL `ABORT_S` after that."""
+  for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGABRT, ABORT_S), (signal.SIGKILL, None)):
+    running = [p for p in procs if p.popen.poll() is None]
+    for p in running:
+      p.popen.send_signal(sig)
+    deadline = time.monotonic() + (wait_s or 0.0)
+    for p in running:
+      try:
+        p.popen.wait(timeout=None if wait_s is None else max(0.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        pass
 
 
 def wait(test, procs: list[Process], *, timeout_s: float, grace_s: float = GRACE_S) -> None:
   """Waits for every process; fails `test` (with the logs' tails) unless all exit 0 by `timeout_s` (then they
-  are stopped: SIGTERM, SIGKILL `grace_s` later) or when one fails (the others are stopped the same way)."""
+  are stopped, see `stop`) or when one fails (the others are stopped the same way)."""
   deadline = time.monotonic() + timeout_s
   while any([p.popen.poll() is None for p in procs]):  # (A list: every process polled.)
     failed = [i for i, p in enumerate(procs) if p.popen.returncode not in (None, 0)]
@@ -108,9 +116,6 @@ def run_two_processes(test, module: str, out_dir: str, *, timeout_s: float, devi
   port = free_port()
   procs = []
   for i in range(2):
-    log = os.path.join(out_dir, f'worker{i}.log')
-    with open(log, 'ab') as f:
-      procs.append(Process(subprocess.Popen([sys.executable, '-m', cmd, *extra, str(port), str(i), out_dir],
-                                            cwd=ROOT, env=env(devices_per_process), stdout=f,
-                                            stderr=subprocess.STDOUT), log))
+    procs.append(_popen([sys.executable, '-m', cmd, *extra, str(port), str(i), out_dir], env(devices_per_process),
+                        os.path.join(out_dir, f'worker{i}.log')))
   wait(test, procs, timeout_s=timeout_s)

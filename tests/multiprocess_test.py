@@ -1,5 +1,6 @@
-"""The multi-process test harness stops what hangs: SIGTERM at the deadline, SIGKILL after the grace period."""
+"""The multi-process test harness stops what hangs: SIGTERM at the deadline, then SIGABRT (stacks), then SIGKILL."""
 
+import signal
 import sys
 import tempfile
 import time
@@ -10,6 +11,8 @@ from tests import multiprocess
 
 # A child that ignores SIGTERM (as a process stuck in a collective, or under jax's preemption notifier, does).
 DEAF = 'import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint("up", flush=True)\ntime.sleep(600)\n'
+DEAFER = DEAF.replace('signal.signal(signal.SIGTERM, signal.SIG_IGN)',
+                      'signal.signal(signal.SIGTERM, signal.SIG_IGN); signal.signal(signal.SIGABRT, signal.SIG_IGN)')
 QUICK = 'print("done")\n'
 
 
@@ -23,7 +26,17 @@ class WaitTest(absltest.TestCase):
     with self.assertRaisesRegex(AssertionError, r'2-process run: timed out after 1 s'):
       multiprocess.wait(self, procs, timeout_s=1, grace_s=0.5)
     self.assertLess(time.monotonic() - t0, 60)
-    self.assertEqual([p.popen.returncode for p in procs], [-9, -9])  # Ignored SIGTERM: killed.
+    self.assertEqual([p.popen.returncode for p in procs], [-signal.SIGABRT] * 2)  # Ignored SIGTERM: aborted,
+    for p in procs:
+      self.assertIn('in <module>', p.tail())  # with the stack in its log (faulthandler).
+
+  def test_a_child_deaf_to_abort_is_killed(self):
+    procs = multiprocess.start([sys.executable, '-c', DEAFER], tempfile.mkdtemp())
+    while not all(p.tail() for p in procs):
+      time.sleep(0.05)
+    with self.assertRaisesRegex(AssertionError, 'timed out'):
+      multiprocess.wait(self, procs, timeout_s=0, grace_s=0.1)
+    self.assertEqual([p.popen.returncode for p in procs], [-signal.SIGKILL] * 2)
 
   def test_one_failing_process_stops_the_other(self):
     out = tempfile.mkdtemp()
