@@ -348,6 +348,7 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
   if jax.process_count() > 1:
     stream = ProcessShard(stream, jax.process_index(), jax.process_count())
   prompts = actor_lib.PromptSource(stream)
+  parallel.sync('checkpointer')  # After uneven compile work; orbax's first barrier is a device collective.
   ckpt = checkpoint_lib.Checkpointer.from_config(config)
   start = 0
   if ckpt.latest_step() is not None:
@@ -484,6 +485,7 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
         upcoming = draw(step)
       packed, staleness, wait_s, dropped_pack, timing = upcoming
       upcoming = None
+      parallel.sync('step')  # After each process's own draw (the first one compiles its samplers).
       actor_tokens.add(sum(a.generated_tokens for a in actors()) - actor_tokens.total)
       t_dispatch = time.perf_counter()
       idle = max(0.0, t_dispatch - last_done) / max(t_dispatch - last_dispatch, 1e-9)
