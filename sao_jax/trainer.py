@@ -262,7 +262,15 @@ def _log_failures(trajectories: list) -> list[str]:
 
 
 class _StopFlag:
-  """SIGTERM / SIGINT set a flag; the loop saves at the end of the current step and returns."""
+  """SIGTERM / SIGINT set a flag; the loop saves at the end of the current step and returns.
+
+  `run` installs it first thing, before the (long) model build, compilation, resume and warm start: a signal
+  then stops the run at its first step check. It must not wait for the loop: `jax.distributed.initialize`
+  installs jax's preemption notifier, which catches SIGTERM only to record it for jax's preemption sync point
+  (unused here), so a multi-process run ignored SIGTERM until its loop started (a warm start or a long compile:
+  minutes). The flag is only read at step boundaries, through `_any_process`: every process stops at one step.
+  A signal while a warm start (`config.sft`) runs takes effect when it ends.
+  """
 
   def __init__(self):
     self.set = False
@@ -294,7 +302,17 @@ def run(config: Any) -> dict[str, Any]:
 
   The config is checked and its algorithm preset resolved here (`config_lib.validate(config, for_run=True)`,
   idempotent); on several processes, `parallel.initialize` must have run first (`sao_jax.main` does it).
+  SIGTERM / SIGINT from the start of the call on: the run stops at its next step boundary (`_StopFlag`).
   """
+  stop = _StopFlag()
+  stop.install()
+  try:
+    return _run(config, stop)
+  finally:
+    stop.uninstall()
+
+
+def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
   t_start = time.perf_counter()
   config = config_lib.validate(config, for_run=True, log=False)
   tr = config.trainer
@@ -330,6 +348,7 @@ def run(config: Any) -> dict[str, Any]:
   if jax.process_count() > 1:
     stream = ProcessShard(stream, jax.process_index(), jax.process_count())
   prompts = actor_lib.PromptSource(stream)
+  parallel.sync('checkpointer')  # After uneven compile work; orbax's first barrier is a device collective.
   ckpt = checkpoint_lib.Checkpointer.from_config(config)
   start = 0
   if ckpt.latest_step() is not None:
@@ -414,8 +433,6 @@ def run(config: Any) -> dict[str, Any]:
   def wall_s() -> float:
     return wall_before + time.perf_counter() - t_start
 
-  stop = _StopFlag()
-  stop.install()
   rows = int(tr.batch_size) // jax.process_count()  # This process's rows of each global batch.
   counts = {'dropped_stale': 0, 'dropped_equal_reward': 0, 'dropped_pack': 0, 'env_error': 0, 'env_timeout': 0}
   trajectories_trained = 0
@@ -476,6 +493,7 @@ def run(config: Any) -> dict[str, Any]:
         upcoming = draw(step)
       packed, staleness, wait_s, dropped_pack, timing = upcoming
       upcoming = None
+      parallel.sync('step')  # After each process's own draw (the first one compiles its samplers).
       actor_tokens.add(sum(a.generated_tokens for a in actors()) - actor_tokens.total)
       t_dispatch = time.perf_counter()
       idle = max(0.0, t_dispatch - last_done) / max(t_dispatch - last_dispatch, 1e-9)
@@ -522,7 +540,6 @@ def run(config: Any) -> dict[str, Any]:
     if tr.checkpoint_every and step > start and step not in ckpt.all_steps():
       save_checkpoint(ckpt, learner, model_config, config, prompts)  # The last step, or where a signal stopped.
   finally:
-    stop.uninstall()
     queue.close()
     for th in threads:
       th.stop()

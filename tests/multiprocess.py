@@ -1,11 +1,25 @@
-"""Runs a test worker module as 2 local `jax.distributed` processes (2 simulated CPU devices each)."""
+"""Local `jax.distributed` runs for tests: N processes of one command on this machine, each with simulated CPU
+devices, their output in log files, and a deadline that stops them (SIGTERM; after a grace period SIGABRT, which
+makes Python's faulthandler write every thread's stack to the log; then SIGKILL), so a hang in a collective fails
+the test, with where each process sat, instead of hanging the suite.
 
+    procs = multiprocess.start(cmd, out_dir, devices_per_process=4)     # SAO_* env vars name each process
+    multiprocess.wait(test, procs, timeout_s=300)                      # fails `test` unless all exit 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRACE_S = 20.0  # Between the SIGTERM of a deadline and the SIGABRT (stacks), which is followed by the SIGKILL.
+ABORT_S = 5.0  # For the stacks to be written.
 
 
 def free_port() -> int:
@@ -14,30 +28,97 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+@dataclasses.dataclass
+class Process:
+  """One started process: its `Popen` and the file holding its output (stdout and stderr)."""
+  popen: subprocess.Popen
+  log: str
+
+  def tail(self, chars: int = 4000) -> str:
+    with open(self.log, errors='replace') as f:
+      return f.read()[-chars:]
+
+
+def env(devices_per_process: int, cache_dir: str | None = None) -> dict[str, str]:
+  """The children's environment: CPU, `devices_per_process` simulated devices, this checkout on the path; a
+  persistent compilation cache in `cache_dir` (process 0 writes it; later launches read it), else none: not the
+  suite's shared one (tests/conftest.py), whose entries written by other tests mid-run could let one process
+  load a program the other compiles, and start a collective more than gloo's 30 s after it."""
+  out = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices_per_process}',
+             JAX_PLATFORMS='cpu', PYTHONPATH=ROOT, PYTHONFAULTHANDLER='1')
+  out.pop('JAX_COMPILATION_CACHE_DIR', None)
+  if cache_dir:
+    out.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+  return out
+
+
+def _popen(cmd: list[str], env_vars: dict[str, str], log: str) -> Process:
+  # No core file from the SIGABRT of `stop` (`exec`: the shell becomes the child, same pid).
+  cmd = ['sh', '-c', 'ulimit -c 0; exec "$@"', 'sh', *cmd]
+  with open(log, 'ab') as f:  # A file, not a pipe: a child never blocks on a full pipe nobody reads.
+    return Process(subprocess.Popen(cmd, cwd=ROOT, env=env_vars, stdout=f, stderr=subprocess.STDOUT), log)
+
+
+def start(cmd: list[str], out_dir: str, *, num_processes: int = 2, devices_per_process: int = 2,
+          cache_dir: str | None = None, name: str = 'proc') -> list[Process]:
+  """Starts `cmd` `num_processes` times as one `jax.distributed` run (`sao_jax.parallel.initialize` reads
+  `SAO_COORDINATOR_ADDRESS`, `SAO_NUM_PROCESSES`, `SAO_PROCESS_ID`), output to `out_dir/<name><i>.log`."""
+  port = free_port()
+  procs = []
+  for i in range(num_processes):
+    e = dict(env(devices_per_process, cache_dir), SAO_COORDINATOR_ADDRESS=f'127.0.0.1:{port}',
+             SAO_NUM_PROCESSES=str(num_processes), SAO_PROCESS_ID=str(i))
+    procs.append(_popen(cmd, e, os.path.join(out_dir, f'{name}{i}.log')))
+  return procs
+
+
+def stop(procs: list[Process], grace_s: float = GRACE_S) -> None:
+  """SIGTERM to every process still running; `grace_s` later SIGABRT to those still running (their stacks go to
+  their logs: `PYTHONFAULTHANDLER`), SIGKILL `ABORT_S` after that."""
+  for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGABRT, ABORT_S), (signal.SIGKILL, None)):
+    running = [p for p in procs if p.popen.poll() is None]
+    for p in running:
+      p.popen.send_signal(sig)
+    deadline = time.monotonic() + (wait_s or 0.0)
+    for p in running:
+      try:
+        p.popen.wait(timeout=None if wait_s is None else max(0.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        pass
+
+
+def wait(test, procs: list[Process], *, timeout_s: float, grace_s: float = GRACE_S) -> None:
+  """Waits for every process; fails `test` (with the logs' tails) unless all exit 0 by `timeout_s` (then they
+  are stopped, see `stop`) or when one fails (the others are stopped the same way)."""
+  deadline = time.monotonic() + timeout_s
+  while any([p.popen.poll() is None for p in procs]):  # (A list: every process polled.)
+    failed = [i for i, p in enumerate(procs) if p.popen.returncode not in (None, 0)]
+    if failed or time.monotonic() > deadline:
+      stop(procs, grace_s)
+      logs = '\n'.join(f'--- process {i} (rc {p.popen.returncode}):\n{p.tail()}' for i, p in enumerate(procs))
+      what = f'process {failed[0]} failed' if failed else f'timed out after {timeout_s:.0f} s (a hang?)'
+      test.fail(f'{len(procs)}-process run: {what}\n{logs}')
+    time.sleep(0.1)
+  for i, p in enumerate(procs):
+    test.assertEqual(p.popen.returncode, 0, f'process {i}:\n{p.tail()}')
+
+
 def run_two_processes(test, module: str, out_dir: str, *, timeout_s: float, devices_per_process: int = 2) -> None:
-  """Starts `python -m MODULE [ARGS...] PORT PROCESS_ID OUT_DIR` twice; fails `test` unless both exit 0.
+  """Runs `python -m MODULE [ARGS...] PORT PROCESS_ID OUT_DIR` twice as one `jax.distributed` run; fails `test`
+  unless both exit 0 by `timeout_s` (then both are stopped, see `wait`).
 
   Args:
-    test: the `absltest.TestCase` to fail (with the worker's log tail) on a non-zero exit or a hang.
+    test: the `absltest.TestCase` to fail (with the workers' log tails).
     module: the worker module, optionally followed by space-separated leading arguments ('mod worker').
-    out_dir: where the workers write their results.
-    timeout_s: a hang (e.g. in jax.distributed or a barrier) past this kills both and fails the test.
+    out_dir: where the workers write their results (and their logs, worker<i>.log).
+    timeout_s: a hang (e.g. in jax.distributed or a barrier) past this stops both and fails the test.
     devices_per_process: simulated CPU devices of each process.
   """
   cmd, *extra = module.split()
   port = free_port()
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices_per_process}',
-             JAX_PLATFORMS='cpu', PYTHONPATH=ROOT)
-  procs = [subprocess.Popen([sys.executable, '-m', cmd, *extra, str(port), str(i), out_dir], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-           for i in range(2)]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=timeout_s)[0].decode()[-3000:])
-  except subprocess.TimeoutExpired:
-    for p in procs:
-      p.kill()
-    test.fail(f'2-process run of {module} timed out after {timeout_s} s (hang in jax.distributed or a barrier?)')
-  for p, log in zip(procs, logs):
-    test.assertEqual(p.returncode, 0, log)
+  procs = []
+  for i in range(2):
+    procs.append(_popen([sys.executable, '-m', cmd, *extra, str(port), str(i), out_dir], env(devices_per_process),
+                        os.path.join(out_dir, f'worker{i}.log')))
+  wait(test, procs, timeout_s=timeout_s)

@@ -1,73 +1,132 @@
-"""A 2-process `jax.distributed` run (4 simulated CPU devices each, one global learner mesh of 8): the same
-`trainer.run` on both, each process's actors on its local devices feeding its own rows of every global batch;
-it trains, checkpoints, and the same command resumes it."""
+"""A 2-process `jax.distributed` run of `python -m sao_jax.main` (4 simulated CPU devices each: the actors on 1 of
+them, the learner on a global mesh over the other 3 of both; each process feeds its rows of every global batch
+from its own share of the prompts): it trains and checkpoints; the same command resumes it (the step counter, the
+metrics rows and both processes' data positions go on); a SIGTERM reaching one process stops both at one step,
+saved, exit 0. And `trainer.run` takes SIGTERM from its start (jax's preemption notifier swallows it otherwise).
 
-import json
+Sync mode: every step takes exactly `batch_size / 2` prompts on each process, so the data positions are known at
+every step (async actors run ahead of the learner by the queue's depth). The two launches share one persistent
+compilation cache (the second one compiles less). A hang (e.g. processes entering collectives in different orders)
+fails the test at its deadline: the workers get SIGTERM, then SIGABRT (their stacks in the failure message), then
+SIGKILL (`tests.multiprocess`).
+"""
+
 import os
-import sys
+import signal
 import tempfile
+import time
+from unittest import mock
 
 from absl.testing import absltest
 
+from configs import arith
+from sao_jax import checkpoint as checkpoint_lib
+from sao_jax import metrics
+from sao_jax import models
+from sao_jax import trainer
 from tests import multiprocess
 from tests import trainer_helpers
 
+CONFIG = 'configs/arith.py'
+# Each process: its actors on 1 of its 4 devices (single-device sampler programs: the cheapest to compile), the
+# learner on the other 3 (a global learner mesh of 6, so a batch of 6: 3 rows per process).
+BATCH = 6
+ROWS = BATCH // 2  # Each process's rows of a global batch.
+TIMEOUT_S = 1200  # Per launch: only a hang reaches it (compilation dominates; on a shared, loaded machine a healthy
+# launch took 20 minutes of wall time for about 1 minute of CPU per process).
 
-def _worker(port: str, process_id: str, out: str) -> None:
-  """One process (run by the test through tests.multiprocess): 2 steps, then the same run resumed to 3."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from configs import arith  # pylint: disable=g-import-not-at-top
-  from sao_jax import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
-  from sao_jax import metrics  # pylint: disable=g-import-not-at-top
-  from sao_jax import parallel  # pylint: disable=g-import-not-at-top
-  from sao_jax import trainer  # pylint: disable=g-import-not-at-top
 
-  def config(num_steps):
-    c = arith.get_config()
-    return trainer_helpers.apply(c, {
-        **trainer_helpers.TINY, 'workdir': os.path.join(out, 'work'), 'trainer.mode': 'sync',
-        'trainer.num_steps': num_steps, 'trainer.checkpoint_every': 1,
-        'distributed.coordinator_address': f'127.0.0.1:{port}', 'distributed.num_processes': 2,
-        'distributed.process_id': int(process_id)})
+def command(workdir: str, num_steps: int) -> list[str]:
+  return trainer_helpers.main_command(CONFIG, workdir, {
+      **trainer_helpers.TINY, 'mesh.actor_devices': 1, 'trainer.batch_size': BATCH, 'trainer.mode': 'sync',
+      'trainer.num_steps': num_steps, 'trainer.checkpoint_every': 2})
 
-  assert parallel.initialize(config(2).distributed, timeout_s=300)
-  assert jax.process_count() == 2 and jax.device_count() == 8, (jax.process_count(), jax.device_count())
-  first = trainer.run(config(2))
-  second = trainer.run(config(3))  # The same command with one more step: resumes at step 2.
-  workdir = os.path.join(out, 'work')
-  with checkpoint_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), keep=None) as ckpt:  # Every process.
-    steps = ckpt.all_steps()
-    data = ckpt.restore(3, items=('data',)).data
-  if jax.process_index() == 0:
-    with open(os.path.join(out, 'result.json'), 'w') as f:
-      json.dump({'first': first['steps'], 'second': second['steps'], 'checkpoints': steps,
-                 'rows': [r['step'] for r in metrics.read_metrics(workdir)],
-                 'taken': [s['taken'] for s in data['prompts_by_process']]}, f)
+
+def steps_written(workdir: str) -> list[int]:
+  return [r['step'] for r in metrics.read_metrics(workdir)]
+
+
+def data_at(workdir: str, step: int) -> list[dict]:
+  """Both processes' prompt-stream states in checkpoint `step` (written once, by process 0)."""
+  with checkpoint_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), keep=None) as ckpt:
+    return ckpt.restore(step, items=('data',)).data['prompts_by_process']
 
 
 class MultiHostTest(absltest.TestCase):
 
-  # Known open defect (issue 10): on this CPU backend the two processes stall at their first step / first
-  # checkpoint (observed 2026-12-01: no metrics row after 14 minutes, both processes spinning), so this test is
-  # opt-in until that is found. Run it with SAO_MULTIHOST_TRAINER_TEST=1.
+  # Known defect (issue 10, open): on the CPU backend the first collective over a device group sets up a gloo
+  # context that fails when one process arrives more than 30 s after the other; a resumed launch compiles its
+  # learner step inside `Learner.dispatch`, after the trainer's `parallel.sync` barrier, and under load the two
+  # processes' compile times differ by more than that ("Gloo context initialization failed: DEADLINE_EXCEEDED").
+  # The fix (compile the step ahead, then sync, then run) is not built; until it is, this test is opt-in.
   @absltest.skipUnless(os.environ.get('SAO_MULTIHOST_TRAINER_TEST') == '1',
-                       'known to stall (issue 10, open): opt in with SAO_MULTIHOST_TRAINER_TEST=1')
-  def test_two_processes_train_checkpoint_and_resume(self):
+                       'known to fail under load (issue 10, open: gloo context 30 s window after uneven compiles); '
+                       'opt in with SAO_MULTIHOST_TRAINER_TEST=1')
+  def test_two_processes_train_checkpoint_resume_and_stop_on_sigterm(self):
     out = tempfile.mkdtemp()
-    multiprocess.run_two_processes(self, 'tests.trainer_multihost_test worker', out, timeout_s=900,
-                                   devices_per_process=4)
-    with open(os.path.join(out, 'result.json')) as f:
-      got = json.load(f)
-    self.assertEqual(got['first'], 2)
-    self.assertEqual(got['second'], 3)
-    self.assertEqual(got['rows'], [1, 2, 3])  # Every step once (process 0 writes metrics.jsonl).
-    self.assertContainsSubset([2, 3], got['checkpoints'])
-    batch = trainer_helpers.TINY['trainer.batch_size']
-    self.assertEqual(got['taken'], [3 * batch // 2] * 2)  # Each process fed half of every batch, resumed.
+    workdir, cache = os.path.join(out, 'work'), os.path.join(out, 'jax_cache')
 
+    # Launch 1: steps 1-2, checkpoint 2 (the last step).
+    first = multiprocess.start(command(workdir, 2), out, devices_per_process=4, cache_dir=cache, name='first')
+    multiprocess.wait(self, first, timeout_s=TIMEOUT_S)
+    self.assertEqual(steps_written(workdir), [1, 2])
+    self.assertEqual([s['taken'] for s in data_at(workdir, 2)], [2 * ROWS] * 2)
+
+    # Launch 2: the same command with more steps resumes at 2; once step 3 is written, SIGTERM reaches process 1
+    # only: both processes stop at the same step N, save it and exit 0.
+    second = multiprocess.start(command(workdir, 1000), out, devices_per_process=4, cache_dir=cache, name='second')
+    deadline = time.monotonic() + TIMEOUT_S
+    while max(steps_written(workdir), default=0) < 3:
+      if time.monotonic() > deadline or any(p.popen.poll() is not None for p in second):
+        multiprocess.wait(self, second, timeout_s=0)  # Fails with the logs.
+        self.fail('the resumed run ended before step 3')
+      time.sleep(0.1)
+    second[1].popen.send_signal(signal.SIGTERM)
+    multiprocess.wait(self, second, timeout_s=TIMEOUT_S)
+
+    for p in second:
+      self.assertIn(f'Resumed from step 2 ({2 * ROWS} prompts taken so far)', p.tail(10**6))
+    self.assertIn('Received signal 15', second[1].tail(10**6))
+    self.assertNotIn('Received signal', second[0].tail(10**6))
+    steps = steps_written(workdir)
+    n = steps[-1]
+    self.assertEqual(steps, list(range(1, n + 1)))  # Every step once, across both launches.
+    self.assertBetween(n, 3, 999)  # Stopped by the signal, not by num_steps.
+    with checkpoint_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), keep=None) as ckpt:
+      self.assertEqual(ckpt.latest_step(), n)  # Saved where the signal stopped both.
+    self.assertEqual([s['taken'] for s in data_at(workdir, n)], [n * ROWS] * 2)  # Both streams went on.
+
+
+class _Built(Exception):
+  """Raised by the test's model build: the run needs to go no further."""
+
+
+class SignalTest(absltest.TestCase):
+
+  def test_run_catches_sigterm_before_the_model_is_built(self):
+    # jax.distributed.initialize installs jax's preemption notifier, which catches SIGTERM and carries on; the
+    # trainer's own handler must take over before the long build / compile / resume, not at the loop.
+    notifier = []
+
+    def swallow(*_):
+      notifier.append('swallowed')
+
+    def build(*args, **kwargs):
+      del args, kwargs
+      os.kill(os.getpid(), signal.SIGTERM)  # Handled at the next bytecode, in this (the main) thread.
+      raise _Built()
+
+    config = trainer_helpers.apply(arith.get_config(), {**trainer_helpers.TINY, 'workdir': tempfile.mkdtemp()})
+    old = signal.signal(signal.SIGTERM, swallow)
+    try:
+      with mock.patch.object(models, 'build', build), self.assertLogs(level='WARNING') as logs, \
+          self.assertRaises(_Built):
+        trainer.run(config)
+      self.assertEqual(notifier, [])  # The trainer's handler had it.
+      self.assertIn('Received signal 15', '\n'.join(logs.output))
+      self.assertIs(signal.getsignal(signal.SIGTERM), swallow)  # run() put the previous handler back.
+    finally:
+      signal.signal(signal.SIGTERM, old)
 
 if __name__ == '__main__':
-  if len(sys.argv) == 5 and sys.argv[1] == 'worker':
-    _worker(*sys.argv[2:])
-  else:
-    absltest.main()
+  absltest.main()

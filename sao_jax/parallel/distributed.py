@@ -87,6 +87,27 @@ def initialize(distributed_config: Any | None = None, *, timeout_s: int = 300) -
   return True
 
 
+_barrier_count = 0
+
+
+def sync(name: str, *, timeout_s: float = 3600.0) -> None:
+  """Waits until every process has reached this point (one process: returns at once).
+
+  A barrier of `jax.distributed`'s coordination service: no device, no collective, a long timeout. Call it, in the
+  same order on every process, before device collectives that follow uneven process-local work (compiling the
+  actors' samplers, a persistent compilation cache that only process 0 writes, process 0's metrics files): on the
+  CPU backend the first collective of a device group sets up a gloo context, and that fails ("Gloo context
+  initialization failed: DEADLINE_EXCEEDED: GetKeyValue() timed out ... 30s") when one process arrives more than
+  30 s after another. Later collectives of the group wait as long as it takes.
+  """
+  global _barrier_count
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top  (as orbax does)
+  _barrier_count += 1  # Unique ids, the same sequence on every process.
+  jax_distributed.global_state.client.wait_at_barrier(f'sao_jax/{name}/{_barrier_count}', int(timeout_s * 1000))
+
+
 def is_main_process() -> bool:
   """True on process 0: the one that logs metrics and writes checkpoints' metadata."""
   return jax.process_index() == 0
