@@ -2,7 +2,7 @@ r"""Rollout throughput on long-tailed episodes: static batches (`run_episodes`) 
 (`run_continuous`) at the same slot count.
 
   python -m sao_jax.benchmarks.rollout [--model=tiny | --hf_dir=/path/to/smollm2-hf] \
-      [--episodes=128 --slots=16 --workloads=single,multi --repeats=2 --decode_steps=8]
+      [--episodes=128 --slots=16 --workloads=single,multi --repeats=2 --decode_steps=32 --refill_rows=4]
 
 Workloads (the same episodes, the same seeds, for both runners):
 
@@ -54,7 +54,9 @@ _MIN_LEN = flags.DEFINE_integer('min_len', 16, 'Shortest episode (tokens).')
 _MAX_LEN = flags.DEFINE_integer('max_len', 512, 'Longest episode (tokens).')
 _TURNS = flags.DEFINE_integer('turns', 3, 'Turns of a multi-turn episode.')
 _TOOL_MS = flags.DEFINE_float('tool_ms', 80.0, 'Median tool latency (ms), clipped to [20, 500].')
-_DECODE_STEPS = flags.DEFINE_integer('decode_steps', 8, 'Decode steps per continuous chunk.')
+_DECODE_STEPS = flags.DEFINE_integer('decode_steps', 32, 'Decode steps per continuous chunk (at most).')
+_REFILL_ROWS = flags.DEFINE_integer('refill_rows', 0, 'While episodes wait, a continuous chunk ends once this many '
+                                    'slots are free (0: the runner\'s default, a quarter of the slots).')
 _SEED = flags.DEFINE_integer('seed', 0, 'Workload and sampling seed.')
 
 
@@ -144,7 +146,8 @@ def main(argv):
     return out
 
   def run_cont(envs):
-    return run_continuous(slot_sampler, tok, envs, limits=limits, decoding=decoding, seeds=seeds[:len(envs)])
+    return run_continuous(slot_sampler, tok, envs, limits=limits, decoding=decoding, seeds=seeds[:len(envs)],
+                          refill_rows=_REFILL_ROWS.value or None)
 
   def hidden_tool_time(envs):
     """Tool time a static batch would hide with concurrent env steps: per batch and turn, sum - max."""
