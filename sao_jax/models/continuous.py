@@ -10,11 +10,13 @@ own write slot and RoPE positions) and two kinds of jitted programs:
   token of the turn. The P rows are gathered from the cache, run through `decode.forward` and scattered back;
   P is bucketed to a power of two (padding rows point past the cache and are dropped), T to `chunk_buckets`;
   chunks longer than the largest bucket are written in pieces (only the last piece samples);
-* **decode** `(weights, cache, last, active, ...) -> (tokens[B, n], log-probs, cache)`: a fixed-length chunk of
+* **decode** `(weights, cache, last, active, ..., free_target) -> (tokens[B, n], log-probs, cache)`: a chunk of
   at most `n` single-token steps over every slot, with a per-slot active mask (a `lax.while_loop` that ends
-  early when no slot is active). A slot leaves the active set when its turn ends (stop token or budget);
-  inactive slots write nothing that is ever read and do not advance. Attention reads a window of the cache
-  (`windows`: a few static sizes, chosen per chunk from the fullest active slot).
+  early when no slot is active, or once `free_target` slots are inactive: newcomers are waiting for them).
+  A slot leaves the active set when its turn ends (stop token or budget); inactive slots write nothing that
+  is ever read and do not advance. The loop runs on a copy of the cache cut to a window (`windows`: a few
+  static sizes, chosen per chunk to hold every active slot's chunk and every slot's history), written back
+  once per chunk.
 
 So the number of compiled programs is fixed by the slot count: `len(P buckets) x len(chunk_buckets)` admit
 programs and `len(windows)` decode programs, all compiled by `warmup`; slots come and go without a recompile

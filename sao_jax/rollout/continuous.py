@@ -14,8 +14,10 @@ end; the host loop alternates
 2. fill: free slots take new episodes (their prompts) from the waiting list;
 3. admit: one device call writes every queued chunk (new prompts and next turns) into its slot and samples
    each turn's first token;
-4. decode: one fixed-length chunk of decode steps over all slots (per-slot active mask); a slot whose turn
-   ended (stop token, budget) hands the turn to the env pool and waits for its observation.
+4. decode: one chunk of at most `decode_steps` steps over all slots (per-slot active mask); a slot whose turn
+   ended (stop token, budget) hands the turn to the env pool and waits for its observation. While new
+   episodes wait, the chunk ends as soon as `refill_rows` more slots are free, so they are admitted together
+   (few device calls, each with a fixed dispatch and sync cost) without leaving slots idle for long.
 
 When no slot can decode and nothing is ready to admit, the loop waits for the first env step to finish.
 
