@@ -2,7 +2,7 @@ r"""Rollout throughput on long-tailed episodes: static batches (`run_episodes`) 
 (`run_continuous`) at the same slot count.
 
   python -m sao_jax.benchmarks.rollout [--model=tiny | --hf_dir=/path/to/smollm2-hf] \
-      [--episodes=128 --slots=16 --workloads=single,multi --repeats=2 --decode_steps=8]
+      [--episodes=128 --slots=16 --workloads=single,multi --repeats=2 --decode_steps=32 --refill_rows=4]
 
 Workloads (the same episodes, the same seeds, for both runners):
 
@@ -19,11 +19,14 @@ pool. Env steps of the static runner run one after the other inside a turn (as `
 branch); the `static, env steps concurrent (est.)` row subtracts from its wall time the part of each turn's
 tool time that concurrent env steps would hide (sum - max of the turn's latencies), the best a static batch can
 do. Figures: completed episodes/s and generated (action) tokens/s, median of `--repeats` interleaved runs after
-one warm-up run of each (compilation excluded), with the machine's load average printed alongside.
+one warm-up run of each (compilation excluded), with the machine's load average printed alongside, and the
+process CPU seconds of each (on a machine loaded by others the CPU ratio is the steadier figure). For the
+continuous runner a line per run says its decode steps, chunks, admissions and the CPU seconds in each.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import statistics
 import time
@@ -54,7 +57,9 @@ _MIN_LEN = flags.DEFINE_integer('min_len', 16, 'Shortest episode (tokens).')
 _MAX_LEN = flags.DEFINE_integer('max_len', 512, 'Longest episode (tokens).')
 _TURNS = flags.DEFINE_integer('turns', 3, 'Turns of a multi-turn episode.')
 _TOOL_MS = flags.DEFINE_float('tool_ms', 80.0, 'Median tool latency (ms), clipped to [20, 500].')
-_DECODE_STEPS = flags.DEFINE_integer('decode_steps', 8, 'Decode steps per continuous chunk.')
+_DECODE_STEPS = flags.DEFINE_integer('decode_steps', 32, 'Decode steps per continuous chunk (at most).')
+_REFILL_ROWS = flags.DEFINE_integer('refill_rows', 0, 'While episodes wait, a continuous chunk ends once this many '
+                                    'slots are free (0: the runner\'s default, a quarter of the slots).')
 _SEED = flags.DEFINE_integer('seed', 0, 'Workload and sampling seed.')
 
 
@@ -144,7 +149,8 @@ def main(argv):
     return out
 
   def run_cont(envs):
-    return run_continuous(slot_sampler, tok, envs, limits=limits, decoding=decoding, seeds=seeds[:len(envs)])
+    return run_continuous(slot_sampler, tok, envs, limits=limits, decoding=decoding, seeds=seeds[:len(envs)],
+                          refill_rows=_REFILL_ROWS.value or None)
 
   def hidden_tool_time(envs):
     """Tool time a static batch would hide with concurrent env steps: per batch and turn, sum - max."""
@@ -156,9 +162,26 @@ def main(argv):
         total += sum(lat) - max(lat)
     return total
 
+  # Where the continuous runner's time goes: device calls, decode steps run, CPU seconds in each kind of call.
+  calls = collections.defaultdict(float)
+
+  def counted(kind, method):
+    def call(*args, **kwargs):
+      t0 = time.process_time()
+      out = method(*args, **kwargs)
+      calls[f'{kind}_cpu'] += time.process_time() - t0
+      calls[f'{kind}_calls'] += 1
+      if kind == 'decode':
+        calls['decode_steps'] += max((len(r.ids) for r in out), default=0)  # Steps the chunk ran.
+      return out
+    return call
+
+  slot_sampler.admit = counted('admit', slot_sampler.admit)
+  slot_sampler.decode = counted('decode', slot_sampler.decode)
+
   rng = np.random.default_rng(_SEED.value)
-  print('| workload | runner | episodes/s | generated tok/s | wall s | speed-up | load |')
-  print('|---|---|---|---|---|---|---|')
+  print('| workload | runner | episodes/s | generated tok/s | wall s | speed-up | CPU s | CPU speed-up | load |')
+  print('|---|---|---|---|---|---|---|---|---|')
   for kind in _WORKLOADS.value:
     work = _workload(kind, n, rng)
     runs = {'static': [], 'continuous': [], 'static_est': []}
@@ -166,26 +189,38 @@ def main(argv):
     for r in range(_REPEATS.value + 1):
       for label, fn in (('static', run_static), ('continuous', run_cont)):
         envs = _envs(work, prompts)
-        t0 = time.perf_counter()
+        calls.clear()
+        t0, c0 = time.perf_counter(), time.process_time()
         trajs = fn(envs)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         tokens = sum(t.num_action_tokens for t in trajs)
         if r == 0:
           continue  # Warm-up (compiles the static sampler's programs).
-        runs[label].append((wall, tokens))
+        runs[label].append((wall, tokens, cpu))
         if label == 'static':
-          runs['static_est'].append((wall - hidden_tool_time(envs), tokens))
+          runs['static_est'].append((wall - hidden_tool_time(envs), tokens, cpu))
+        else:
+          print(f'# {kind} continuous run {r}: {calls["decode_steps"]:.0f} decode steps in {calls["decode_calls"]:.0f} '
+                f'chunks, {calls["admit_calls"]:.0f} admissions; CPU s: decode {calls["decode_cpu"]:.2f}, admit '
+                f'{calls["admit_cpu"]:.2f}, rest {cpu - calls["decode_cpu"] - calls["admit_cpu"]:.2f}')
+    if kind == 'single':
+      lengths = [w[0][0] for w in work]
+      static_steps = sum(max(lengths[i:i + slots_n]) for i in range(0, n, slots_n))
+      print(f'# single: static decode steps (sum over batches of the longest row) {static_steps}; tokens / slots '
+            f'{sum(lengths) / slots_n:.0f}')
     load = _load_average()
-    base_wall = statistics.median(w for w, _ in runs['static'])
+    base_wall = statistics.median(v[0] for v in runs['static'])
+    base_cpu = statistics.median(v[2] for v in runs['static'])
     rows = [('static', runs['static'])]
     if kind != 'single':
       rows.append(('static, env steps concurrent (est.)', runs['static_est']))
     rows.append(('continuous', runs['continuous']))
     for label, vals in rows:
-      wall = statistics.median(w for w, _ in vals)
-      toks = statistics.median(t for _, t in vals)
+      wall = statistics.median(v[0] for v in vals)
+      toks = statistics.median(v[1] for v in vals)
+      cpu = statistics.median(v[2] for v in vals)
       print(f'| {kind} | {label} | {n / wall:.2f} | {toks / wall:.0f} | {wall:.2f} | {base_wall / wall:.2f}x '
-            f'| {load} |')
+            f'| {cpu:.2f} | {base_cpu / cpu:.2f}x | {load} |')
   print(f'# continuous programs after the runs: {slot_sampler.num_compiled()} (no recompiles when unchanged); '
         f'static sampler programs: {backend.sampler.num_compiled()}')
 

@@ -10,11 +10,13 @@ own write slot and RoPE positions) and two kinds of jitted programs:
   token of the turn. The P rows are gathered from the cache, run through `decode.forward` and scattered back;
   P is bucketed to a power of two (padding rows point past the cache and are dropped), T to `chunk_buckets`;
   chunks longer than the largest bucket are written in pieces (only the last piece samples);
-* **decode** `(weights, cache, last, active, ...) -> (tokens[B, n], log-probs, cache)`: a fixed-length chunk of
+* **decode** `(weights, cache, last, active, ..., free_target) -> (tokens[B, n], log-probs, cache)`: a chunk of
   at most `n` single-token steps over every slot, with a per-slot active mask (a `lax.while_loop` that ends
-  early when no slot is active). A slot leaves the active set when its turn ends (stop token or budget);
-  inactive slots write nothing that is ever read and do not advance. Attention reads a window of the cache
-  (`windows`: a few static sizes, chosen per chunk from the fullest active slot).
+  early when no slot is active, or once `free_target` slots are inactive: newcomers are waiting for them).
+  A slot leaves the active set when its turn ends (stop token or budget); inactive slots write nothing that
+  is ever read and do not advance. The loop runs on a copy of the cache cut to a window (`windows`: a few
+  static sizes, chosen per chunk to hold every active slot's chunk and every slot's history), written back
+  once per chunk.
 
 So the number of compiled programs is fixed by the slot count: `len(P buckets) x len(chunk_buckets)` admit
 programs and `len(windows)` decode programs, all compiled by `warmup`; slots come and go without a recompile
@@ -47,7 +49,7 @@ import numpy as np
 
 from sao_jax.models import sampling
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.decode import DecodeCache, DecodeWeights, forward, init_cache, last_logits
+from sao_jax.models.decode import DecodeCache, DecodeWeights, forward, init_cache, last_logits, resize_cache
 from sao_jax.models.sampler import WeightsSnapshot, decode_windows
 from sao_jax.models.sampling import SamplingParams
 
@@ -90,9 +92,15 @@ def _admit_impl(st: _Static, weights: DecodeWeights, cache: DecodeCache, rows: A
 
 
 def _decode_impl(st: _Static, num_steps: int, weights: DecodeWeights, cache: DecodeCache, last: Array,
-                 active: Array, lengths: Array, budgets: Array, seeds: Array):
+                 active: Array, lengths: Array, budgets: Array, seeds: Array, free_target: Array):
   """Up to `num_steps` tokens per active slot: feeds `last`, samples, stops a slot at a stop token or when
-  `lengths` (tokens of the turn so far) reaches `budgets`."""
+  `lengths` (tokens of the turn so far) reaches `budgets`. The chunk ends early once `free_target` slots are
+  inactive (newcomers are waiting for them) or none is active.
+
+  The loop runs on a copy of the cache cut to `st.window` slots (attention then reads only those), written
+  back into the donated full cache afterwards: two copies of the window per chunk instead of one per step
+  (a slice of the full cache inside the loop costs XLA:CPU a copy per layer and step). Slots past the window
+  are left as they are (inactive slots may hold a longer history there)."""
   b = last.shape[0]
   tokens = jnp.full((b, num_steps), st.pad_id, jnp.int32)
   lps = jnp.zeros((b, num_steps), jnp.float32)
@@ -100,7 +108,7 @@ def _decode_impl(st: _Static, num_steps: int, weights: DecodeWeights, cache: Dec
 
   def step(carry):
     i, cache, tokens, lps, slps, active, lengths, last = carry
-    hidden, new = forward(st.cfg, weights, cache, last[:, None], active[:, None], window=st.window)
+    hidden, new = forward(st.cfg, weights, cache, last[:, None], active[:, None])
     new = new.replace(index=jnp.where(active, cache.index + 1, cache.index))
     tok, lp, slp = sampling.select_tokens(last_logits(weights, hidden), seeds, new.positions, st.params)
     tok = jnp.where(active, tok, st.pad_id)
@@ -113,10 +121,19 @@ def _decode_impl(st: _Static, num_steps: int, weights: DecodeWeights, cache: Dec
     return i + 1, new, tokens, lps, slps, active & ~ended, lengths, last
 
   def running(carry):
-    return (carry[0] < num_steps) & jnp.any(carry[5])
+    active = carry[5]
+    return (carry[0] < num_steps) & jnp.any(active) & (jnp.sum(~active) < free_target)
 
-  carry = (jnp.zeros((), jnp.int32), cache, tokens, lps, slps, active, lengths, last)
-  steps, cache, tokens, lps, slps, active, lengths, last = jax.lax.while_loop(running, step, carry)
+  cut = st.window < cache.max_len
+  small = resize_cache(cache, st.window) if cut else cache
+  carry = (jnp.zeros((), jnp.int32), small, tokens, lps, slps, active, lengths, last)
+  steps, small, tokens, lps, slps, active, lengths, last = jax.lax.while_loop(running, step, carry)
+  if cut:
+    put = lambda full, part: jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
+    cache = DecodeCache(k=tuple(map(put, cache.k, small.k)), v=tuple(map(put, cache.v, small.v)),
+                        valid=put(cache.valid, small.valid), index=small.index, positions=small.positions)
+  else:
+    cache = small
   return cache, tokens, lps, slps, active, lengths, last, steps
 
 
@@ -260,7 +277,7 @@ class SlotSampler:
     for w in self.windows:
       out = self._decode(self._static(params, w), self.decode_steps, snapshot.weights, self._cache,
                          np.zeros((b,), np.int32), np.zeros((b,), bool), np.zeros((b,), np.int32),
-                         np.zeros((b,), np.int32), np.zeros((b,), np.uint32))
+                         np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.int32(b + 1))
       self._cache = out[0]
     jax.block_until_ready(self._cache)
 
@@ -326,17 +343,23 @@ class SlotSampler:
       out.append(SlotTokens(s, [tok], [lp], [slp], snapshot.version, ended))
     return out
 
-  def decode(self, params: SamplingParams) -> list[SlotTokens]:
+  def decode(self, params: SamplingParams, *, free_target: int | None = None) -> list[SlotTokens]:
     """One decode chunk (up to `decode_steps` tokens per active slot, one snapshot). Returns the tokens of
-    every slot that was active."""
+    every slot that was active.
+
+    `free_target`: the chunk ends as soon as this many slots are inactive (the caller has newcomers waiting
+    for them); None: it runs `decode_steps` steps or until no slot is active."""
     was_active = self.active.copy()
     if not was_active.any():
       return []
     snapshot = self.source.snapshot
-    need = int(self.fill[was_active].max()) + self.decode_steps
+    # The loop runs on the cache cut to the window: it must hold every active slot's chunk and every slot that
+    # keeps a history (an inactive slot still writes, harmlessly, one slot past its history).
+    need = min(max(int(self.fill[was_active].max()) + self.decode_steps, int(self.fill.max()) + 1), self.cache_len)
     window = next(w for w in self.windows if need <= w)
     out = self._decode(self._static(params, window), self.decode_steps, snapshot.weights, self._cache,
-                       self.last, was_active, self.lengths, self.budgets, self.seeds)
+                       self.last, was_active, self.lengths, self.budgets, self.seeds,
+                       np.int32(self.num_slots + 1 if free_target is None else free_target))
     self._cache = out[0]
     tokens, lps, slps, active, lengths, last, _ = jax.device_get(out[1:])
     results = []

@@ -14,8 +14,10 @@ end; the host loop alternates
 2. fill: free slots take new episodes (their prompts) from the waiting list;
 3. admit: one device call writes every queued chunk (new prompts and next turns) into its slot and samples
    each turn's first token;
-4. decode: one fixed-length chunk of decode steps over all slots (per-slot active mask); a slot whose turn
-   ended (stop token, budget) hands the turn to the env pool and waits for its observation.
+4. decode: one chunk of at most `decode_steps` steps over all slots (per-slot active mask); a slot whose turn
+   ended (stop token, budget) hands the turn to the env pool and waits for its observation. While new
+   episodes wait, the chunk ends as soon as `refill_rows` more slots are free, so they are admitted together
+   (few device calls, each with a fixed dispatch and sync cost) without leaving slots idle for long.
 
 When no slot can decode and nothing is ready to admit, the loop waits for the first env step to finish.
 
@@ -81,11 +83,16 @@ class ContinuousRunner:
     env_workers: threads stepping envs (default: one per slot).
     follower: newer weights (None: the sampler's weights never change here).
     per_episode_weights: take newer weights only between episodes (module docstring).
+    refill_rows: while new episodes wait, a decode chunk ends as soon as this many more slots are free (they
+      are admitted together in the next call); default a quarter of the slots. 1 frees a slot at once; more
+      rows per admission mean fewer device calls (each costs a fixed dispatch and sync) for a few idle
+      slot-steps.
   """
 
   def __init__(self, slots: SlotSampler, tokenizer: Tokenizer, *, limits: EpisodeLimits, decoding: SamplingParams,
                step_timeout_s: float | None = None, env_workers: int | None = None,
-               follower: WeightFollower | None = None, per_episode_weights: bool = False):
+               follower: WeightFollower | None = None, per_episode_weights: bool = False,
+               refill_rows: int | None = None):
     if limits.max_seq_len > slots.max_seq_len:
       raise ValueError(f'ContinuousRunner: limits.max_seq_len={limits.max_seq_len} exceeds the slot sampler\'s '
                        f'max_seq_len={slots.max_seq_len}.')
@@ -96,6 +103,9 @@ class ContinuousRunner:
     self.step_timeout_s = step_timeout_s
     self.follower = follower
     self.per_episode_weights = per_episode_weights
+    self.refill_rows = max(1, slots.num_slots // 4) if refill_rows is None else int(refill_rows)
+    if self.refill_rows < 1:
+      raise ValueError(f'ContinuousRunner: refill_rows={refill_rows} must be >= 1.')
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=env_workers or slots.num_slots,
                                                        thread_name_prefix='env')
     self._waiting: collections.deque[tuple[Hashable, Env, int, int, EpisodeRules]] = collections.deque()
@@ -146,7 +156,10 @@ class ContinuousRunner:
       worked = True
     if self.slots.any_active:
       active = [int(s) for s in self.slots.active.nonzero()[0]]
-      self._device_call(lambda: self.slots.decode(self.decoding), active)
+      free_target = None
+      if self._waiting and not self._draining:  # Newcomers wait: end the chunk when `refill_rows` slots free up.
+        free_target = self.slots.num_slots - len(active) + min(self.refill_rows, len(self._waiting))
+      self._device_call(lambda: self.slots.decode(self.decoding, free_target=free_target), active)
       worked = True
     if not worked and self._env_steps and not done:
       self._harvest(done, block=True)
@@ -243,11 +256,12 @@ def run_continuous(slots: SlotSampler, tokenizer: Tokenizer, envs: Sequence[Env]
                    decoding: SamplingParams, seeds: Sequence[int], group_ids: Sequence[int] | None = None,
                    step_timeout_s: float | None = None, env_workers: int | None = None,
                    follower: WeightFollower | None = None,
-                   per_episode_weights: bool = False) -> list[types.Trajectory]:
+                   per_episode_weights: bool = False, refill_rows: int | None = None) -> list[types.Trajectory]:
   """Plays one episode per env through the slots (module docstring); the same arguments and result as
   `run_episodes` (one `Trajectory` per env, in order), plus the runner's options (`ContinuousRunner`)."""
   runner = ContinuousRunner(slots, tokenizer, limits=limits, decoding=decoding, step_timeout_s=step_timeout_s,
-                            env_workers=env_workers, follower=follower, per_episode_weights=per_episode_weights)
+                            env_workers=env_workers, follower=follower, per_episode_weights=per_episode_weights,
+                            refill_rows=refill_rows)
   try:
     runner.submit(envs, seeds=seeds, group_ids=group_ids)
     done = dict(runner.run())

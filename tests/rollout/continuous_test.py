@@ -5,6 +5,7 @@ weight swaps recorded per token. One tiny model, one set of compiled shapes for 
 
 import itertools
 import threading
+import types
 
 from absl.testing import absltest
 from flax import nnx
@@ -13,7 +14,7 @@ import numpy as np
 from sao_jax import rollout
 from sao_jax.envs import base
 from sao_jax.models import logprobs as logprobs_lib
-from sao_jax.models.continuous import SlotSampler
+from sao_jax.models.continuous import Admission, SlotSampler
 from sao_jax.models.sampling import SamplingParams
 from sao_jax.rollout import actor as actor_lib
 from sao_jax.rollout.continuous import ContinuousRunner, run_continuous
@@ -57,9 +58,10 @@ class ContinuousTest(absltest.TestCase):
     cls.backend = rollout.SamplerBackend(cls.model, stop_ids=rollout.stop_ids_for(env, cls.tok),
                                          pad_id=cls.tok.pad_id, max_total_len=128, min_rows=8, version=4)
     # Two slots for six episodes: slots refill many times; one chunk bucket of 16: prompts (>= 20 tokens
-    # with the chat template) are written in pieces.
+    # with the chat template) are written in pieces; two attention windows (96, 192 slots): decode chunks run
+    # on the cache cut to a window and written back.
     cls.slots = SlotSampler(cls.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=cls.backend.stop_ids,
-                            pad_id=cls.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=1)
+                            pad_id=cls.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2)
     cls.slots.warmup(_GREEDY)
     cls.slots.warmup(_SAMPLED)
     cls.compiled = cls.slots.num_compiled()
@@ -73,7 +75,8 @@ class ContinuousTest(absltest.TestCase):
 
   def test_compiled_programs_are_fixed_by_the_slot_count(self):
     # Per sampling setting: row buckets {1, 2} x chunk buckets {16} admit programs, one decode per window.
-    self.assertEqual(self.compiled, {'admit': 2 * 2 * 1, 'decode': 2 * 1})
+    self.assertEqual(self.slots.windows, (96, 192))
+    self.assertEqual(self.compiled, {'admit': 2 * 2 * 1, 'decode': 2 * 2})
 
   def test_greedy_episodes_equal_the_static_sampler_in_any_arrival_order(self):
     n = len(self.examples)
@@ -111,6 +114,49 @@ class ContinuousTest(absltest.TestCase):
     diffs = np.concatenate([np.abs(t.behavior_logprobs - t.policy_logprobs) for t in got])
     self.assertGreater(diffs.max(), 0.05)  # The two differ: a runner that confused them would fail.
     self.assertEqual(self.slots.num_compiled(), self.compiled)
+
+  def test_a_chunk_ends_once_enough_slots_are_free_and_held_histories_survive_the_window(self):
+    """`decode(free_target=1)` stops at the step that frees a slot; a slot whose turn ended keeps its long history
+    (past the small window) while the other decodes, so its next turn is the plain forward's greedy one."""
+    slots = SlotSampler(self.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=(), pad_id=self.tok.pad_id,
+                        chunk_buckets=(16,), decode_steps=4, num_windows=2)
+    slots.warmup(_GREEDY)
+    compiled = slots.num_compiled()
+    long_prompt, short_prompt = [3 + i % 50 for i in range(100)], [9, 10, 11]
+    seqs = {0: list(long_prompt), 1: list(short_prompt)}
+    gen, lps = {0: [], 1: []}, {0: [], 1: []}
+
+    def record(results):
+      for r in results:
+        seqs[r.slot] += r.ids
+        gen[r.slot] += [len(seqs[r.slot]) - len(r.ids) + j for j in range(len(r.ids))]
+        lps[r.slot] += r.logprobs
+      return {r.slot: r for r in results}
+
+    record(slots.admit([Admission(0, long_prompt, new=True, budget=2, seed=0),
+                        Admission(1, short_prompt, new=True, budget=12, seed=1)], _GREEDY))
+    first = record(slots.decode(_GREEDY, free_target=1))
+    self.assertEqual({s: len(r.ids) for s, r in first.items()}, {0: 1, 1: 1})  # Stopped when slot 0 ended.
+    self.assertTrue(first[0].ended)
+    self.assertFalse(first[1].ended)
+    # Slot 1 decodes alone (its window is the small one unless slot 0's history counts) in chunks of 4.
+    sizes = []
+    while slots.active[1]:
+      sizes.append(len(record(slots.decode(_GREEDY))[1].ids))
+    self.assertEqual(sizes, [4, 4, 2])
+    # Slot 0's next turn: its pending token and an observation appended to the history it kept.
+    seqs[0] += [5, 6]
+    record(slots.admit([Admission(0, [5, 6], new=False, budget=3)], _GREEDY))
+    while slots.active[0]:
+      record(slots.decode(_GREEDY))
+    self.assertLen(seqs[0], 100 + 2 + 2 + 3)
+    logits = np.asarray(_logits(self.model, _padded([types.SimpleNamespace(tokens=seqs[s]) for s in (0, 1)])))
+    for s in (0, 1):
+      pos = np.asarray(gen[s])
+      np.testing.assert_array_equal(np.asarray(seqs[s])[pos], np.argmax(logits[s, pos - 1], axis=-1))
+      log_pi = logits[s, pos - 1] - np.log(np.exp(logits[s, pos - 1]).sum(-1, keepdims=True))
+      np.testing.assert_allclose(lps[s], log_pi[np.arange(len(pos)), np.asarray(seqs[s])[pos]], atol=2e-4)
+    self.assertEqual(slots.num_compiled(), compiled)
 
   def test_a_weight_swap_mid_run_is_recorded_per_token(self):
     other = helpers.small_model(self.tok.vocab_size, seed=9)
