@@ -19,6 +19,7 @@ from sao_jax.envs import base
 from sao_jax.envs import registry
 from sao_jax.envs import safe_eval
 
+SCRATCHPADS = ('none', 'reversed')
 EVAL_SEED = 0x5EED  # Eval problems come from their own stream, whatever the training seed.
 
 
@@ -36,6 +37,7 @@ class ArithOptions:
   format_reward: float = 0.0  # Reward for a well-formed but wrong answer (0 = exact match only).
   instruct_format: bool = True  # State the answer format in the prompt (drift can hide it).
   system_prompt: str = ''  # Optional system message.
+  scratchpad: str = 'none'  # Reference reply (warm start): 'none' = the answer alone; 'reversed' = see `solution`.
 
   def check(self, path: str = 'task.kwargs') -> None:
     if not 1 <= self.min_digits <= self.max_digits <= 18:
@@ -52,6 +54,11 @@ class ArithOptions:
     if self.answer_format not in answers.FORMATS:
       raise ConfigError(f'config.{path}.answer_format={self.answer_format!r} is not one of '
                         f'{list(answers.FORMATS)}.')
+    if self.scratchpad not in SCRATCHPADS:
+      raise ConfigError(f'config.{path}.scratchpad={self.scratchpad!r} is not one of {list(SCRATCHPADS)}.')
+    if self.scratchpad != 'none' and self.answer_format not in ('hash', 'tag', 'boxed'):
+      raise ConfigError(f'config.{path}.scratchpad={self.scratchpad!r} writes text before the answer: '
+                        f'answer_format={self.answer_format!r} must allow it (hash, tag or boxed).')
     if not 0.0 <= self.format_reward < 1.0:
       raise ConfigError(f'config.{path}.format_reward={self.format_reward!r}: must be in [0, 1).')
 
@@ -93,6 +100,15 @@ def make_example(rng: np.random.Generator, opts: ArithOptions, *, task: str = 'a
   data.update(extra or {})
   return base.Example(uid=f'{task}:{opts.answer_format}:{expr}', prompt=prompt, answer=str(value), data=data,
                       system=opts.system_prompt or None)
+
+
+def render_solution(answer: str, opts: ArithOptions) -> str:
+  """`ArithTask.solution` of the integer `answer` under `opts` (answer format and scratchpad)."""
+  final = answers.render(answer, opts.answer_format)
+  if opts.scratchpad == 'reversed':
+    sign, digits = ('-', answer[1:]) if answer.startswith('-') else ('', answer)
+    return f'{sign}{digits[::-1]}\n{final}'
+  return final
 
 
 def score(text: str, answer: str, opts: ArithOptions) -> tuple[float, dict[str, Any]]:
@@ -161,8 +177,10 @@ class ArithTask(GeneratedTask):
     return ArithEnv(example, self.opts, max_turns=1)
 
   def solution(self, example: base.Example) -> str:
-    """The canonical correct reply: the answer alone, in the task's answer format."""
-    return answers.render(example.answer, self.opts.answer_format)
+    """The canonical correct reply (the warm start's target): the answer in the task's answer format, after a
+    scratchpad line when `scratchpad='reversed'`: the answer's digits least-significant first (sign first), e.g.
+    '85' -> '58\\n#### 85', '-35' -> '-53\\n#### -35' (hash format). The reward reads only the final answer."""
+    return render_solution(example.answer, self.opts)
 
 
 @registry.register_task('arith', ArithOptions)

@@ -113,6 +113,27 @@ class ArithTest(parameterized.TestCase):
       for ex in task.eval_set():
         self.assertEqual(_reward(task, ex, task.solution(ex)).reward, 1.0)
 
+  @parameterized.parameters(('85', '58\n#### 85'), ('-35', '-53\n#### -35'), ('376', '673\n#### 376'),
+                            ('100', '001\n#### 100'), ('0', '0\n#### 0'))
+  def test_reversed_scratchpad_solution(self, answer, want):
+    opts = arith.ArithOptions(answer_format='hash', scratchpad='reversed')
+    self.assertEqual(arith.render_solution(answer, opts), want)
+    self.assertEqual(arith.score(want, answer, opts)[0], 1.0)
+    # The reward reads the final answer only: a wrong scratchpad with the right answer is right, and the reverse
+    # (the scratchpad holding the answer's digits forward, the final answer wrong) is wrong.
+    self.assertEqual(arith.score(f'123\n#### {answer}', answer, opts)[0], 1.0)
+    self.assertEqual(arith.score(f'{answer}\n#### {int(answer) + 1}', answer, opts)[0], 0.0)
+
+  def test_reversed_scratchpad_solution_is_the_rewarded_reply(self):
+    for fmt in ('hash', 'tag', 'boxed'):
+      task = _task(eval_size=16, min_digits=2, max_digits=2, mul_max_digits=1, answer_format=fmt,
+                   scratchpad='reversed')
+      for ex in task.eval_set():
+        reply = task.solution(ex)
+        scratch, _ = reply.split('\n', 1)
+        self.assertEqual(scratch.lstrip('-')[::-1], ex.answer.lstrip('-'))
+        self.assertEqual(_reward(task, ex, reply).reward, 1.0)
+
   def test_eval_fixed_and_disjoint_from_train(self):
     a, b = _task(eval_size=32), _task(eval_size=32)
     self.assertEqual([e.uid for e in a.eval_set()], [e.uid for e in b.eval_set()])
@@ -141,7 +162,8 @@ class ArithTest(parameterized.TestCase):
   @parameterized.parameters(
       ({'ops': '/'}, 'ops'), ({'min_digits': 3, 'max_digits': 2}, 'min_digits'),
       ({'answer_format': 'json'}, 'answer_format'), ({'digits': 3}, 'digits is not an option'),
-      ({'max_digits': 'two'}, 'max_digits'))
+      ({'max_digits': 'two'}, 'max_digits'), ({'scratchpad': 'forward'}, 'scratchpad'),
+      ({'scratchpad': 'reversed', 'answer_format': 'plain'}, 'scratchpad'))
   def test_bad_options_name_the_field(self, kwargs, field):
     with self.assertRaisesRegex(ConfigError, f'config.task.kwargs.{field}'):
       _task(**kwargs)
