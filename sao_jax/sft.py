@@ -13,9 +13,9 @@ the token-mean cross-entropy on them:
 The update is the learner's own machinery (`learner.steps.run_updates`: guarded AdamW/SGD update, gradient
 clipping) on a train state of the policy with its own optimizer (`config.optim` with peak lr
 `config.sft.lr`, linear warmup over `config.sft.warmup_steps`, then constant or a cosine decay); the RL
-optimizer's state is not touched. Afterwards the policy's weights go back into the learner, and the critic is re-initialised from the
-warm-started policy (SAO: the value model starts as the policy's backbone with a zero head), with a fresh
-optimizer state.
+optimizer's state is not touched. Afterwards the policy's weights go back into the learner, and the critic is
+re-initialised from the warm-started policy (SAO: the value model starts as the policy's backbone with a zero
+head), with a fresh optimizer state.
 """
 
 from __future__ import annotations
