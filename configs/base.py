@@ -108,7 +108,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   sf.steps = 0  # Optimizer steps of the warm start (0 = off).
   sf.batch_size = 64  # Problems (rows) per step.
   sf.lr = 1e-3  # Peak learning rate (the optimizer is config.optim's, with its own state).
-  sf.warmup_steps = 0  # Linear learning-rate warmup, in warm-start steps; constant afterwards.
+  sf.warmup_steps = 0  # Linear learning-rate warmup, in warm-start steps.
+  sf.schedule = 'constant'  # After warmup: constant, or cosine decay to lr * end_lr_factor at the last step.
+  sf.end_lr_factor = 0.1  # Cosine floor as a fraction of sft.lr.
   sf.num_examples = 0  # Distinct training problems, cycled (0 = a fresh problem for every row).
   sf.data_seed = 1  # The problems come from the task's training stream with seed config.seed + this.
   sf.log_every = 50  # Warm-start steps between loss logs (0 = first and last only).

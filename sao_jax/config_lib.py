@@ -193,6 +193,8 @@ FIELDS: dict[str, Check] = {
     'sft.batch_size': _int(ge=1),
     'sft.lr': _float(gt=0.0),
     'sft.warmup_steps': _int(ge=0),
+    'sft.schedule': _choice(('constant', 'cosine')),
+    'sft.end_lr_factor': _float(ge=0.0, le=1.0),
     'sft.num_examples': _int(ge=0, why='0 = a fresh problem for every row.'),
     'sft.data_seed': _int(ge=0),
     'sft.log_every': _int(ge=0, why='0 = the first and last steps only.'),

@@ -12,10 +12,10 @@ the token-mean cross-entropy on them:
 
 The update is the learner's own machinery (`learner.steps.run_updates`: guarded AdamW/SGD update, gradient
 clipping) on a train state of the policy with its own optimizer (`config.optim` with peak lr
-`config.sft.lr`, linear warmup over `config.sft.warmup_steps`, then constant); the RL optimizer's state is not
-touched. Afterwards the policy's weights go back into the learner, and the critic is re-initialised from the
-warm-started policy (SAO: the value model starts as the policy's backbone with a zero head), with a fresh
-optimizer state.
+`config.sft.lr`, linear warmup over `config.sft.warmup_steps`, then constant or a cosine decay); the RL
+optimizer's state is not touched. Afterwards the policy's weights go back into the learner, and the critic is
+re-initialised from the warm-started policy (SAO: the value model starts as the policy's backbone with a zero
+head), with a fresh optimizer state.
 """
 
 from __future__ import annotations
@@ -132,10 +132,13 @@ def sft_objective() -> steps_lib.Objective:
 
 def sft_optimizer(config: Any):
   """The warm start's optimizer: `config.optim` (optimizer, betas, clipping, ...) at peak lr `config.sft.lr`,
-  linear warmup over `config.sft.warmup_steps` optimizer steps, then constant."""
+  linear warmup over `config.sft.warmup_steps` optimizer steps, then constant or (`config.sft.schedule='cosine'`)
+  a cosine decay to `lr * config.sft.end_lr_factor` at step `config.sft.steps` (`optim.make_schedule`)."""
   o = config.optim.copy_and_resolve_references()
-  o.schedule = 'constant'
+  o.schedule = str(config.sft.schedule)
   o.warmup_steps = int(config.sft.warmup_steps)
+  o.total_steps = max(int(config.sft.steps), int(config.sft.warmup_steps) + 1)
+  o.end_lr_factor = float(config.sft.end_lr_factor)
   return optim_lib.make_optimizer(o, float(config.sft.lr))
 
 

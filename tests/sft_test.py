@@ -22,6 +22,7 @@ def _config(steps=8, lr=1e-2):
   c = arith.get_config('1')
   c.task.eval_size = 8
   c.task.kwargs.answer_format = 'plain'
+  c.task.kwargs.scratchpad = 'none'  # The reply is the answer alone (the rows test reads it back).
   c.trainer.seq_buckets = BUCKETS
   c.sampler.max_seq_len = 96
   c.sft.steps = steps
@@ -120,6 +121,31 @@ class SftTest(absltest.TestCase):
         np.testing.assert_array_equal(value, np.asarray(policy[keys[1:]].get_value()), err_msg=str(keys))
       else:
         np.testing.assert_array_equal(value, 0.0, err_msg=str(keys))
+
+  def test_optimizer_schedule_warmup_then_constant_or_cosine(self):
+    # SGD with gradient 1 on a scalar moves it by exactly lr(s) at step s: the schedule, read back.
+    config = _config(steps=10, lr=0.5)
+    config.optim.optimizer = 'sgd'
+    config.optim.grad_clip = 0.0
+    config.sft.warmup_steps = 2
+
+    def lrs():
+      tx = sft.sft_optimizer(config)
+      params = np.zeros((), np.float32)
+      state, out = tx.init(params), []
+      for _ in range(12):
+        updates, state = tx.update(np.ones((), np.float32), state, params)
+        out.append(-float(updates))
+      return np.array(out)
+
+    config.sft.schedule = 'constant'
+    np.testing.assert_allclose(lrs(), [0.0, 0.25] + [0.5] * 10, rtol=1e-6)
+    config.sft.schedule = 'cosine'
+    config.sft.end_lr_factor = 0.1
+    s = np.arange(12)
+    d = np.minimum(s - 2, 8)  # Decay over steps - warmup = 8 steps, then the floor.
+    want = np.where(s < 2, 0.5 * s / 2, 0.5 * (0.1 + 0.9 * (1 + np.cos(np.pi * d / 8)) / 2))
+    np.testing.assert_allclose(lrs(), want, rtol=1e-5, atol=1e-7)
 
 
 if __name__ == '__main__':

@@ -9,6 +9,7 @@ A problem is `a op b op c ...` with `num_ops` operators drawn from `ops` and ope
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from sao_jax.envs import base
 from sao_jax.envs import registry
 from sao_jax.envs import safe_eval
 
+SCRATCHPADS = ('none', 'reversed', 'partials')
 EVAL_SEED = 0x5EED  # Eval problems come from their own stream, whatever the training seed.
 
 
@@ -36,6 +38,7 @@ class ArithOptions:
   format_reward: float = 0.0  # Reward for a well-formed but wrong answer (0 = exact match only).
   instruct_format: bool = True  # State the answer format in the prompt (drift can hide it).
   system_prompt: str = ''  # Optional system message.
+  scratchpad: str = 'none'  # Reference reply (warm start): none (the answer alone), reversed or partials (`solution`).
 
   def check(self, path: str = 'task.kwargs') -> None:
     if not 1 <= self.min_digits <= self.max_digits <= 18:
@@ -52,6 +55,11 @@ class ArithOptions:
     if self.answer_format not in answers.FORMATS:
       raise ConfigError(f'config.{path}.answer_format={self.answer_format!r} is not one of '
                         f'{list(answers.FORMATS)}.')
+    if self.scratchpad not in SCRATCHPADS:
+      raise ConfigError(f'config.{path}.scratchpad={self.scratchpad!r} is not one of {list(SCRATCHPADS)}.')
+    if self.scratchpad != 'none' and self.answer_format not in ('hash', 'tag', 'boxed'):
+      raise ConfigError(f'config.{path}.scratchpad={self.scratchpad!r} writes text before the answer: '
+                        f'answer_format={self.answer_format!r} must allow it (hash, tag or boxed).')
     if not 0.0 <= self.format_reward < 1.0:
       raise ConfigError(f'config.{path}.format_reward={self.format_reward!r}: must be in [0, 1).')
 
@@ -93,6 +101,32 @@ def make_example(rng: np.random.Generator, opts: ArithOptions, *, task: str = 'a
   data.update(extra or {})
   return base.Example(uid=f'{task}:{opts.answer_format}:{expr}', prompt=prompt, answer=str(value), data=data,
                       system=opts.system_prompt or None)
+
+
+_ONE_DIGIT_PRODUCT = re.compile(r'(\d+)\*(\d)')
+
+
+def render_solution(expression: str, answer: str, opts: ArithOptions) -> str:
+  """The reference reply to `expression` (value `answer`): the answer in `opts.answer_format`, after a scratchpad
+  line for `opts.scratchpad` (the reward reads only the final answer; the scratchpad is what the warm start
+  teaches). Hash-format examples:
+
+    none      85 -> '#### 85'
+    reversed  the answer's digits least-significant first (sign first): 85 -> '58\\n#### 85', -35 -> '-53\\n#### -35'
+    partials  as reversed, and a product `A*b` with one-digit b first lists the partial products a_i*b
+              (digits of A from the units up), each as two digits least-significant first:
+              47*8 -> '65 23 673\\n#### 376' (7*8 = 56, 4*8 = 32, 56 + 320 = 376)
+  """
+  final = answers.render(answer, opts.answer_format)
+  if opts.scratchpad == 'none':
+    return final
+  sign, digits = ('-', answer[1:]) if answer.startswith('-') else ('', answer)
+  line = f'{sign}{digits[::-1]}'
+  m = _ONE_DIGIT_PRODUCT.fullmatch(expression)
+  if opts.scratchpad == 'partials' and m:
+    a, b = m.group(1), int(m.group(2))
+    line = ' '.join(f'{int(d) * b:02d}'[::-1] for d in reversed(a)) + ' ' + line
+  return f'{line}\n{final}'
 
 
 def score(text: str, answer: str, opts: ArithOptions) -> tuple[float, dict[str, Any]]:
@@ -161,8 +195,8 @@ class ArithTask(GeneratedTask):
     return ArithEnv(example, self.opts, max_turns=1)
 
   def solution(self, example: base.Example) -> str:
-    """The canonical correct reply: the answer alone, in the task's answer format."""
-    return answers.render(example.answer, self.opts.answer_format)
+    """The canonical correct reply (the warm start's target): `render_solution` of the example's answer."""
+    return render_solution(example.data['expression'], example.answer, self.opts)
 
 
 @registry.register_task('arith', ArithOptions)

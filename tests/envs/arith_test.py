@@ -113,6 +113,38 @@ class ArithTest(parameterized.TestCase):
       for ex in task.eval_set():
         self.assertEqual(_reward(task, ex, task.solution(ex)).reward, 1.0)
 
+  @parameterized.parameters(
+      ('reversed', '47+38', '58\n#### 85'), ('reversed', '23-58', '-53\n#### -35'),
+      ('reversed', '47*8', '673\n#### 376'), ('reversed', '50+50', '001\n#### 100'), ('reversed', '7*0', '0\n#### 0'),
+      ('partials', '47+38', '58\n#### 85'), ('partials', '23-58', '-53\n#### -35'),
+      ('partials', '47*8', '65 23 673\n#### 376'), ('partials', '40*0', '00 00 0\n#### 0'),
+      ('partials', '9*9', '18 18\n#### 81'), ('partials', '47*18', '648\n#### 846'),  # Two-digit factor: reversed.
+      ('none', '47*8', '#### 376'))
+  def test_scratchpad_solution(self, scratchpad, expr, want):
+    opts = arith.ArithOptions(answer_format='hash', scratchpad=scratchpad)
+    answer = str(safe_eval.safe_eval(expr))
+    self.assertEqual(arith.render_solution(expr, answer, opts), want)
+    self.assertEqual(arith.score(want, answer, opts)[0], 1.0)
+    # The reward reads the final answer only: a wrong scratchpad with the right answer is right, and the reverse
+    # (the scratchpad holding the answer's digits forward, the final answer wrong) is wrong.
+    self.assertEqual(arith.score(f'123\n#### {answer}', answer, opts)[0], 1.0)
+    self.assertEqual(arith.score(f'{answer}\n#### {int(answer) + 1}', answer, opts)[0], 0.0)
+
+  @parameterized.product(fmt=('hash', 'tag', 'boxed'), scratchpad=('reversed', 'partials'))
+  def test_scratchpad_solution_is_the_rewarded_reply(self, fmt, scratchpad):
+    task = _task(eval_size=16, min_digits=2, max_digits=2, mul_max_digits=1, answer_format=fmt,
+                 scratchpad=scratchpad)
+    for ex in task.eval_set():
+      reply = task.solution(ex)
+      scratch, _ = reply.split('\n', 1)
+      *partials, reversed_answer = scratch.split(' ')
+      self.assertEqual(reversed_answer.lstrip('-')[::-1], ex.answer.lstrip('-'))
+      if partials:  # a*b: the partial products of a's digits (units first), each reversed, sum to the answer.
+        a, b = ex.data['expression'].split('*')
+        self.assertEqual(partials, [f'{int(d) * int(b):02d}'[::-1] for d in reversed(a)])
+        self.assertEqual(sum(int(p[::-1]) * 10 ** i for i, p in enumerate(partials)), int(ex.answer))
+      self.assertEqual(_reward(task, ex, reply).reward, 1.0)
+
   def test_eval_fixed_and_disjoint_from_train(self):
     a, b = _task(eval_size=32), _task(eval_size=32)
     self.assertEqual([e.uid for e in a.eval_set()], [e.uid for e in b.eval_set()])
@@ -141,7 +173,8 @@ class ArithTest(parameterized.TestCase):
   @parameterized.parameters(
       ({'ops': '/'}, 'ops'), ({'min_digits': 3, 'max_digits': 2}, 'min_digits'),
       ({'answer_format': 'json'}, 'answer_format'), ({'digits': 3}, 'digits is not an option'),
-      ({'max_digits': 'two'}, 'max_digits'))
+      ({'max_digits': 'two'}, 'max_digits'), ({'scratchpad': 'forward'}, 'scratchpad'),
+      ({'scratchpad': 'reversed', 'answer_format': 'plain'}, 'scratchpad'))
   def test_bad_options_name_the_field(self, kwargs, field):
     with self.assertRaisesRegex(ConfigError, f'config.task.kwargs.{field}'):
       _task(**kwargs)
