@@ -34,6 +34,7 @@ from absl import logging
 
 from experiments import report
 from experiments import specs
+from sao_jax import config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,20 +70,11 @@ def load_config(exp: specs.Experiment, overrides: Mapping[str, Any]):
   """The run's config, as `sao_jax.main` would build it (the file, its `:arg`, then the overrides)."""
   path, _, arg = exp.config.partition(':')
   module = importlib.import_module(os.path.splitext(path)[0].replace('/', '.'))
-  config = module.get_config(arg or None)
-  with config.unlocked():
-    for key, value in overrides.items():
-      *parents, leaf = key.split('.')
-      node = config
-      for p in parents:
-        node = node[p]
-      node[leaf] = value
-  return config
+  return config_lib.override(module.get_config(arg or None), overrides)
 
 
 def validate(names: Sequence[str], *, quick: bool = False) -> None:
   """Every arm of the experiments `names` passes `config_lib.validate`, or ValueError names the arm."""
-  from sao_jax import config_lib  # pylint: disable=g-import-not-at-top  (jax is imported by the runs only)
   for exp in (specs.EXPERIMENTS[n] for n in names):
     for arm in exp.arms:
       overrides = run_overrides(exp, arm, exp.seeds[0], quick=quick)

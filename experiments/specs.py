@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from configs import _tiny
+
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
@@ -93,21 +95,4 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
 )}
 
 # --quick: a few steps of a tiny model, so the scripts run in the test suite and cannot rot (not results).
-QUICK: dict[str, Any] = {
-    'model.name': 'tiny',
-    'model.tokenizer': 'char',
-    'model.hf_dir': '',
-    'task.eval_size': 4,
-    'sampler.batch_size': 8,
-    'sampler.max_new_tokens': 8,
-    'sampler.max_seq_len': 224,
-    'sampler.prompt_buckets': (224,),
-    'trainer.batch_size': 8,
-    'trainer.seq_buckets': (224,),
-    'trainer.queue_size': 16,
-    'trainer.num_steps': 2,
-    'trainer.eval_every': 1,
-    'trainer.checkpoint_every': 0,
-    'trainer.tensorboard': False,
-    'sft.steps': 0,
-}
+QUICK: dict[str, Any] = {**_tiny.TINY, 'model.hf_dir': '', 'task.eval_size': 4, 'trainer.eval_every': 1}

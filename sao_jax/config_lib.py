@@ -243,6 +243,19 @@ def leaf_paths(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]
   return out
 
 
+def override(config: ml_collections.ConfigDict, values: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """Sets `config.<path> = value` for each item (as `--config.<path>=value` does; the config is unlocked for it,
+  so a new leaf may be added); returns `config`."""
+  with config.unlocked():
+    for path, value in values.items():
+      *parents, leaf = path.split('.')
+      node = config
+      for part in parents:
+        node = node[part]
+      node[leaf] = value
+  return config
+
+
 def _get(config: Any, path: str) -> Any:
   node = config
   for part in path.split('.'):

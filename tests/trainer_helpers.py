@@ -6,39 +6,17 @@ import subprocess
 import sys
 from typing import Any
 
+from configs import _tiny
+from sao_jax import config_lib
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Every config's longest prompt with the char tokenizer is under 180 tokens (code/imo/math samples): one prompt
-# bucket and one sequence bucket of 224 hold any of them plus a turn.
-TINY: dict[str, Any] = {
-    'model.name': 'tiny',
-    'model.tokenizer': 'char',
-    'task.eval_size': 2,
-    'sampler.batch_size': 8,
-    'sampler.max_new_tokens': 8,
-    'sampler.max_seq_len': 224,
-    'sampler.prompt_buckets': (224,),
-    'trainer.batch_size': 8,
-    'trainer.seq_buckets': (224,),
-    'trainer.queue_size': 16,
-    'trainer.num_steps': 2,
-    'trainer.eval_every': 0,
-    'trainer.checkpoint_every': 0,
-    'trainer.tensorboard': False,
-    'sft.steps': 0,  # No warm start (configs/arith.py has one; tests/sft_test.py covers it).
-}
+TINY = _tiny.TINY  # configs/_tiny.py: one tiny override for every config.
 
 
 def apply(config, overrides: dict[str, Any]):
-  """Sets `config.<path> = value` for each item (the config is unlocked for it); returns the config."""
-  with config.unlocked():
-    for path, value in overrides.items():
-      *parents, leaf = path.split('.')
-      node = config
-      for p in parents:
-        node = node[p]
-      node[leaf] = value
-  return config
+  """Sets `config.<path> = value` for each item (`config_lib.override`); returns the config."""
+  return config_lib.override(config, overrides)
 
 
 def flags(overrides: dict[str, Any]) -> list[str]:

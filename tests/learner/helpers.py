@@ -5,6 +5,7 @@ import numpy as np
 from flax import nnx
 
 from configs import base
+from sao_jax import config_lib
 from sao_jax import parallel
 from sao_jax.models import Decoder, get_model_config
 from sao_jax.types import Batch
@@ -33,13 +34,7 @@ def config(algo: str = 'sao', **overrides):
     c.algo.group_size = 2
     c.algo.clip_mode = 'ppo'
     c.algo.eps_low = c.algo.eps_high = 0.2
-  for key, value in overrides.items():
-    node = c
-    *parents, leaf = key.split('.')
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
+  return config_lib.override(c, overrides)
 
 
 def mesh(fsdp: int, tensor: int, devices=None):
