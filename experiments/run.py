@@ -19,114 +19,24 @@ run starts, so a bad arm fails in seconds.
 
 from __future__ import annotations
 
-import importlib
-import json
 import os
-import subprocess
-import sys
-import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from absl import app
 from absl import flags
-from absl import logging
 
-from experiments import report
+from experiments import runner
 from experiments import specs
-from sao_jax import config_lib
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _EXPERIMENT = flags.DEFINE_string('experiment', None, f'One of {sorted(specs.EXPERIMENTS)}.')
 _ARMS = flags.DEFINE_list('arms', [], 'Arms to run (default: all).')
 _SEEDS = flags.DEFINE_list('seeds', [], "Seeds to run (default: the experiment's).")
 _QUICK = flags.DEFINE_bool('quick', False, 'Two arms, one seed, a tiny model, 2 steps (the suite runs this).')
 _RUNS = flags.DEFINE_string('runs', '/tmp/sao_experiments', 'Workdirs of the runs (checkpoints, metrics).')
-_RESULTS = flags.DEFINE_string('results', os.path.join(ROOT, 'experiments', 'results'),
+_RESULTS = flags.DEFINE_string('results', os.path.join(runner.ROOT, 'experiments', 'results'),
                                'Report directory (curves.csv, summary.md, PNGs per experiment).')
 _REPORT_ONLY = flags.DEFINE_bool('report_only', False, 'Only rewrite the report from the runs present.')
 _TIMEOUT = flags.DEFINE_float('timeout_s', 0.0, 'Kill a run after this many seconds (0 = no limit).')
-
-
-def flag_value(v: Any) -> str:
-  """A config value as `--config.x=` text (tuples as `(a,b,)`, parsed back by ml_collections)."""
-  if isinstance(v, tuple):
-    return '(' + ','.join(str(x) for x in v) + (',)' if len(v) == 1 else ')')
-  return str(v)
-
-
-def run_overrides(exp: specs.Experiment, arm: specs.Arm, seed: int, *, quick: bool) -> dict[str, Any]:
-  """Every `config.<path>` a run sets: the experiment's, the arm's, the seed, and (quick) the tiny ones."""
-  return {**exp.overrides, **arm.overrides, 'seed': seed, **(specs.QUICK if quick else {})}
-
-
-def command(exp: specs.Experiment, overrides: Mapping[str, Any], workdir: str) -> list[str]:
-  return [sys.executable, '-m', 'sao_jax.main', f'--config={exp.config}', f'--workdir={workdir}',
-          *(f'--config.{k}={flag_value(v)}' for k, v in overrides.items())]
-
-
-def load_config(exp: specs.Experiment, overrides: Mapping[str, Any]):
-  """The run's config, as `sao_jax.main` would build it (the file, its `:arg`, then the overrides)."""
-  path, _, arg = exp.config.partition(':')
-  module = importlib.import_module(os.path.splitext(path)[0].replace('/', '.'))
-  return config_lib.override(module.get_config(arg or None), overrides)
-
-
-def validate(names: Sequence[str], *, quick: bool = False) -> None:
-  """Every arm of the experiments `names` passes `config_lib.validate`, or ValueError names the arm."""
-  for exp in (specs.EXPERIMENTS[n] for n in names):
-    for arm in exp.arms:
-      overrides = run_overrides(exp, arm, exp.seeds[0], quick=quick)
-      try:
-        config_lib.validate(load_config(exp, overrides), log=False)
-      except Exception as e:
-        raise ValueError(f'experiment {exp.name}, arm {arm.name}: {e}') from e
-
-
-def run_one(exp: specs.Experiment, arm: specs.Arm, seed: int, *, runs: str, quick: bool,
-            timeout_s: float = 0.0) -> dict[str, Any]:
-  """Runs (or resumes) one arm x seed; returns its done record (also written to `done.json`)."""
-  workdir = os.path.join(runs, exp.name, arm.name, f'seed{seed}')
-  done_path = os.path.join(workdir, 'done.json')
-  if os.path.exists(done_path):
-    with open(done_path, encoding='utf-8') as f:
-      return json.load(f)
-  os.makedirs(workdir, exist_ok=True)
-  cmd = command(exp, run_overrides(exp, arm, seed, quick=quick), workdir)
-  logging.info('%s / %s / seed %d: %s', exp.name, arm.name, seed, ' '.join(cmd))
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(runs, 'compile_cache'),
-             PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get('PYTHONPATH', '')) if p))
-  t0 = time.perf_counter()
-  with open(os.path.join(workdir, 'log.txt'), 'ab') as log:
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=False,
-                          timeout=timeout_s or None)
-  if proc.returncode != 0:
-    with open(os.path.join(workdir, 'log.txt'), encoding='utf-8', errors='replace') as f:
-      tail = f.read()[-3000:]
-    raise RuntimeError(f'{exp.name} / {arm.name} / seed {seed} failed (exit {proc.returncode}); the log '
-                       f'({workdir}/log.txt) ends with:\n{tail}')
-  record = {'experiment': exp.name, 'arm': arm.name, 'seed': seed, 'command': cmd,
-            'process_wall_s': time.perf_counter() - t0, 'load_avg': os.getloadavg()[0]}
-  with open(done_path, 'w', encoding='utf-8') as f:
-    json.dump(record, f, indent=1)
-  return record
-
-
-def run_experiment(name: str, *, arms: Sequence[str] = (), seeds: Sequence[int] = (), quick: bool = False,
-                   runs: str, results: str, report_only: bool = False, timeout_s: float = 0.0) -> str:
-  """Runs what is missing of experiment `name` and writes its report; returns the report directory."""
-  exp = specs.EXPERIMENTS[name]
-  chosen = [exp.arm(a) for a in arms] if arms else list(exp.arms[:2] if quick else exp.arms)
-  seeds = list(seeds) or list(exp.seeds[:1] if quick else exp.seeds)
-  out = os.path.join(results, name)
-  if not report_only:
-    for i, (arm, seed) in enumerate((a, s) for s in seeds for a in chosen):  # Seed-major: arms interleave.
-      logging.info('Run %d of %d.', i + 1, len(chosen) * len(seeds))
-      run_one(exp, arm, seed, runs=runs, quick=quick, timeout_s=timeout_s)
-      report.write(exp, os.path.join(runs, name), out)
-  report.write(exp, os.path.join(runs, name), out)
-  return out
 
 
 def main(argv: Sequence[str]) -> None:
@@ -135,13 +45,13 @@ def main(argv: Sequence[str]) -> None:
   if _EXPERIMENT.value not in specs.EXPERIMENTS:
     raise app.UsageError(f'--experiment={_EXPERIMENT.value!r}: one of {sorted(specs.EXPERIMENTS)}')
   # Quick (the suite): every arm of every experiment must validate; a real run checks its own experiment.
-  validate(sorted(specs.EXPERIMENTS) if _QUICK.value else [_EXPERIMENT.value], quick=_QUICK.value)
+  runner.validate(sorted(specs.EXPERIMENTS) if _QUICK.value else [_EXPERIMENT.value], quick=_QUICK.value)
   runs, results = _RUNS.value, _RESULTS.value
   if _QUICK.value:  # Never mixes with real runs or results.
     runs, results = os.path.join(runs, 'quick'), os.path.join(runs, 'quick', 'results')
-  out = run_experiment(_EXPERIMENT.value, arms=_ARMS.value, seeds=[int(s) for s in _SEEDS.value],
-                       quick=_QUICK.value, runs=runs, results=results, report_only=_REPORT_ONLY.value,
-                       timeout_s=_TIMEOUT.value)
+  out = runner.run_experiment(_EXPERIMENT.value, arms=_ARMS.value, seeds=[int(s) for s in _SEEDS.value],
+                              quick=_QUICK.value, runs=runs, results=results, report_only=_REPORT_ONLY.value,
+                              timeout_s=_TIMEOUT.value)
   with open(os.path.join(out, 'summary.md'), encoding='utf-8') as f:
     print(f.read())
 

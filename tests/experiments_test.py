@@ -11,7 +11,7 @@ import tempfile
 from absl.testing import absltest
 
 from experiments import report
-from experiments import run as run_lib
+from experiments import runner as run_lib
 from experiments import specs
 from sao_jax import metrics
 from tests import trainer_helpers
