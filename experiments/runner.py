@@ -22,13 +22,6 @@ from sao_jax import config_lib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def flag_value(v: Any) -> str:
-  """A config value as `--config.x=` text (tuples as `(a,b,)`, parsed back by ml_collections)."""
-  if isinstance(v, tuple):
-    return '(' + ','.join(str(x) for x in v) + (',)' if len(v) == 1 else ')')
-  return str(v)
-
-
 def run_overrides(exp: specs.Experiment, arm: specs.Arm, seed: int, *, quick: bool) -> dict[str, Any]:
   """Every `config.<path>` a run sets: the experiment's, the arm's, the seed, and (quick) the tiny ones."""
   return {**exp.overrides, **arm.overrides, 'seed': seed, **(specs.QUICK if quick else {})}
@@ -36,7 +29,7 @@ def run_overrides(exp: specs.Experiment, arm: specs.Arm, seed: int, *, quick: bo
 
 def command(exp: specs.Experiment, overrides: Mapping[str, Any], workdir: str) -> list[str]:
   return [sys.executable, '-m', 'sao_jax.main', f'--config={exp.config}', f'--workdir={workdir}',
-          *(f'--config.{k}={flag_value(v)}' for k, v in overrides.items())]
+          *config_lib.override_flags(overrides)]
 
 
 def load_config(exp: specs.Experiment, overrides: Mapping[str, Any]):

@@ -256,6 +256,16 @@ def override(config: ml_collections.ConfigDict, values: Mapping[str, Any]) -> ml
   return config
 
 
+def override_flags(values: Mapping[str, Any]) -> list[str]:
+  """The same `config.<path>` values as `--config.<path>=value` command-line flags (`override`'s inverse through
+  `sao_jax.main`: tuples as `(a,b)` / `(a,)`, which ml_collections parses back)."""
+  def text(v: Any) -> str:
+    if isinstance(v, tuple):
+      return '(' + ','.join(str(x) for x in v) + (',)' if len(v) == 1 else ')')
+    return str(v)
+  return [f'--config.{k}={text(v)}' for k, v in values.items()]
+
+
 def _get(config: Any, path: str) -> Any:
   node = config
   for part in path.split('.'):

@@ -20,12 +20,8 @@ def apply(config, overrides: dict[str, Any]):
 
 
 def flags(overrides: dict[str, Any]) -> list[str]:
-  """The same overrides as `--config.<path>=value` command-line flags."""
-  def text(v):
-    if isinstance(v, tuple):
-      return '(' + ','.join(str(x) for x in v) + (',)' if len(v) == 1 else ')')
-    return str(v)
-  return [f'--config.{k}={text(v)}' for k, v in overrides.items()]
+  """The same overrides as `--config.<path>=value` command-line flags (`config_lib.override_flags`)."""
+  return config_lib.override_flags(overrides)
 
 
 def subprocess_env(devices: int = 1) -> dict[str, str]:
