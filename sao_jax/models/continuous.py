@@ -50,28 +50,13 @@ import numpy as np
 from sao_jax.models import sampling
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.decode import DecodeCache, DecodeWeights, forward, init_cache, last_logits, resize_cache
-from sao_jax.models.sampler import WeightsSnapshot, decode_windows
+from sao_jax.models.sampler import StaticSettings, WeightsSnapshot, decode_windows, is_stop
 from sao_jax.models.sampling import SamplingParams
 
 Array = jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  cfg: ModelConfig
-  params: SamplingParams
-  stop_ids: tuple[int, ...]
-  pad_id: int
-  window: int
-
-
-def _is_stop(st: _Static, tokens: Array) -> Array:
-  if not st.stop_ids:
-    return jnp.zeros(tokens.shape, bool)
-  return jnp.any(tokens[:, None] == jnp.asarray(st.stop_ids, jnp.int32)[None, :], axis=-1)
-
-
-def _admit_impl(st: _Static, weights: DecodeWeights, cache: DecodeCache, rows: Array, chunk: Array, valid: Array,
+def _admit_impl(st: StaticSettings, weights: DecodeWeights, cache: DecodeCache, rows: Array, chunk: Array, valid: Array,
                 lengths: Array, reset: Array, seeds: Array):
   """Writes right-padded chunks [P, T] (`lengths` real tokens each) into cache rows `rows` [P] (rows >= B are
   padding: nothing is written back) and samples each row's next token. `reset` rows start empty."""
@@ -91,7 +76,7 @@ def _admit_impl(st: _Static, weights: DecodeWeights, cache: DecodeCache, rows: A
   return cache, tok, lp, slp
 
 
-def _decode_impl(st: _Static, num_steps: int, weights: DecodeWeights, cache: DecodeCache, last: Array,
+def _decode_impl(st: StaticSettings, num_steps: int, weights: DecodeWeights, cache: DecodeCache, last: Array,
                  active: Array, lengths: Array, budgets: Array, seeds: Array, free_target: Array):
   """Up to `num_steps` tokens per active slot: feeds `last`, samples, stops a slot at a stop token or when
   `lengths` (tokens of the turn so far) reaches `budgets`. The chunk ends early once `free_target` slots are
@@ -116,7 +101,7 @@ def _decode_impl(st: _Static, num_steps: int, weights: DecodeWeights, cache: Dec
     lps = jax.lax.dynamic_update_slice(lps, jnp.where(active, lp, 0.0)[:, None], (0, i))
     slps = jax.lax.dynamic_update_slice(slps, jnp.where(active, slp, 0.0)[:, None], (0, i))
     lengths = lengths + active.astype(jnp.int32)
-    ended = active & (_is_stop(st, tok) | (lengths >= budgets))
+    ended = active & (is_stop(st, tok) | (lengths >= budgets))
     last = jnp.where(active, tok, last)
     return i + 1, new, tokens, lps, slps, active & ~ended, lengths, last
 
@@ -258,8 +243,8 @@ class SlotSampler:
   def chunk_bucket(self, length: int) -> int:
     return next(x for x in self.chunk_buckets if length <= x)
 
-  def _static(self, params: SamplingParams, window: int) -> _Static:
-    return _Static(self.cfg, params, self.stop_ids, self.pad_id, window)
+  def _static(self, params: SamplingParams, window: int) -> StaticSettings:
+    return StaticSettings(self.cfg, params, self.stop_ids, self.pad_id, window)
 
   # ---- Warm-up.
 

@@ -76,7 +76,9 @@ class StopReason(enum.IntEnum):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class StaticSettings:
+  """The hashable settings of one compiled sampler program (the static argument of the static sampler's and the
+  continuous sampler's jitted programs)."""
   cfg: ModelConfig
   params: SamplingParams
   stop_ids: tuple[int, ...]
@@ -84,7 +86,7 @@ class _Static:
   window: int  # Attention window (slots) of this call's programs, see `decode.forward`.
 
 
-def _select(st: _Static, logits: Array, seeds: Array, key_pos: Array, n_generated: Array,
+def _select(st: StaticSettings, logits: Array, seeds: Array, key_pos: Array, n_generated: Array,
             min_new: Array) -> tuple[Array, Array, Array]:
   """`sampling.select_tokens` with the stop tokens banned for rows with n_generated < min_new."""
   banned = None
@@ -101,13 +103,14 @@ def _select(st: _Static, logits: Array, seeds: Array, key_pos: Array, n_generate
   return sampling.select_tokens(logits, seeds, key_pos, st.params)
 
 
-def _is_stop(st: _Static, tokens: Array) -> Array:
+def is_stop(st: StaticSettings, tokens: Array) -> Array:
+  """[B] bool: which of `tokens` [B] are stop tokens."""
   if not st.stop_ids:
     return jnp.zeros(tokens.shape, bool)
   return jnp.any(tokens[:, None] == jnp.asarray(st.stop_ids, jnp.int32)[None, :], axis=-1)
 
 
-def _prefill_impl(st: _Static, weights: DecodeWeights, cache: DecodeCache, chunk: Array, chunk_valid: Array,
+def _prefill_impl(st: StaticSettings, weights: DecodeWeights, cache: DecodeCache, chunk: Array, chunk_valid: Array,
                   seeds: Array, budgets: Array, min_new: Array):
   """Writes the chunk, samples each row's first new token. Rows with budget 0 generate nothing."""
   hidden, cache = forward(st.cfg, weights, cache, chunk, chunk_valid, window=st.window)
@@ -115,7 +118,7 @@ def _prefill_impl(st: _Static, weights: DecodeWeights, cache: DecodeCache, chunk
   zeros = jnp.zeros_like(budgets)
   tok, lp, slp = _select(st, logits, seeds, cache.positions, zeros, min_new)
   active = budgets > 0
-  stop = _is_stop(st, tok) & active
+  stop = is_stop(st, tok) & active
   reason = jnp.where(~active, int(StopReason.BUDGET),
                      jnp.where(stop, int(StopReason.STOP_TOKEN),
                                jnp.where(budgets <= 1, int(StopReason.BUDGET), int(StopReason.NOT_DONE))))
@@ -130,7 +133,7 @@ def decode_windows(window: int, *, granule: int = 64, max_segments: int = 8) -> 
   return tuple(range(g, window, g)) + (window,)
 
 
-def _decode_impl(st: _Static, num_steps: int, weights: DecodeWeights, cache: DecodeCache, first_tok: Array,
+def _decode_impl(st: StaticSettings, num_steps: int, weights: DecodeWeights, cache: DecodeCache, first_tok: Array,
                  first_lp: Array, first_slp: Array, first_reason: Array, seeds: Array, budgets: Array,
                  min_new: Array):
   """The decode loop: up to `num_steps` tokens per row (column 0 comes from prefill)."""
@@ -153,7 +156,7 @@ def _decode_impl(st: _Static, num_steps: int, weights: DecodeWeights, cache: Dec
     lps = jax.lax.dynamic_update_slice(lps, jnp.where(live, lp, 0.0)[:, None], (0, i))
     slps = jax.lax.dynamic_update_slice(slps, jnp.where(live, slp, 0.0)[:, None], (0, i))
     lengths = lengths + live.astype(jnp.int32)
-    stop = _is_stop(st, tok) & live
+    stop = is_stop(st, tok) & live
     out_of_budget = live & ~stop & (lengths >= budgets)
     reason = jnp.where(stop, int(StopReason.STOP_TOKEN), jnp.where(out_of_budget, int(StopReason.BUDGET), reason))
     last = jnp.where(live, tok, last)
@@ -473,7 +476,7 @@ class Sampler:
            keep_state, time_prefill, need):
     # Attention window: the slots this call can fill, bucketed (a power of two), at most the cache length.
     window = min(cache.max_len, _next_pow2(need, 32))
-    st = _Static(self.cfg, params, self.stop_ids, self.pad_id, window)
+    st = StaticSettings(self.cfg, params, self.stop_ids, self.pad_id, window)
     min_new = jnp.asarray(min_new_tokens, jnp.int32)
     seeds_d, budgets_d = jnp.asarray(seeds), jnp.asarray(budgets)
     t0 = time.perf_counter()
