@@ -206,12 +206,12 @@ class MultiTurnRowsTest(parameterized.TestCase):
   @parameterized.parameters('inline', 'message')
   def test_rows_mask_exactly_the_assistant_turns(self, mode):
     _, examples, rows = self._rows(_calculator_config(mode))
-    self.assertEqual(rows['tokens'].shape, (6, 128))  # configs/calculator.py's one bucket.
+    self.assertEqual(rows['tokens'].shape, (6, 80))  # The smaller of configs/calculator.py's two buckets.
     for b, ex in enumerate(examples):
       want_tokens, want_mask = _hand_built(self.tok, ex, mode)
       _assert_row(rows['tokens'][b], rows['mask'][b], want_tokens, want_mask, self.tok.pad_id)
       # The wrong variant, observation tokens in the loss, fails the same check.
-      wrong = np.array(want_mask + [0] * (128 - len(want_mask)), np.float32)
+      wrong = np.array(want_mask + [0] * (rows['tokens'].shape[1] - len(want_mask)), np.float32)
       wrong[len(self.tok.encode(f'<|user|>{ex.prompt}<|end|><|assistant|>')):len(want_mask)] = 1.0
       with self.assertRaises(AssertionError):
         _assert_row(rows['tokens'][b], wrong, want_tokens, want_mask, self.tok.pad_id)
@@ -272,7 +272,7 @@ class MultiTurnRowsTest(parameterized.TestCase):
     # The sampler's budgets and the learner's bucket hold the warm start's rows (the rows raise otherwise).
     config = calculator_config.get_config()
     _, _, rows = self._rows(config, n=256)
-    self.assertEqual(rows['tokens'].shape, (256, 128))
+    self.assertEqual(rows['tokens'].shape, (256, 80))
 
 
 if __name__ == '__main__':
