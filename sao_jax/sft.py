@@ -2,11 +2,15 @@
 
     summary = sft.warm_start(learner, task, tokenizer, config)    # the trainer's hook, on a fresh run only
 
-Each row is one training problem of the task (its own stream, seed `config.seed + config.sft.data_seed`; the
-eval set is excluded by the task's iterator) followed by the task's reference reply (`Task.solution`), laid out
-exactly as an episode: `tokenizer.apply_chat_template(messages + [assistant reply])`, whose assistant mask m
-marks the reply's tokens and its end-of-turn token, the tokens the policy generates in an episode. The loss is
-the token-mean cross-entropy on them:
+Each row is the reference episode of one training problem of the task (its own stream, seed
+`config.seed + config.sft.data_seed`; the eval set is excluded by the task's iterator): the task's reference
+turns (`Task.solution_actions`: the single reply `Task.solution` of a single-turn task; a tool call, then the
+answer, for calculator) played through the task's real env by the rollout's one episode runner
+(`rollout.replay_episode`), within the run's episode limits. So a row is laid out exactly as a sampled episode:
+the prompt with its generation prompt, each turn's tokens with its stop token, and the env's observations
+between turns (inline text, or a chat message with the template's turn-closing and -opening tokens). Its
+action mask m marks the turns' tokens only, never the prompt's or an observation's; the loss is the token-mean
+cross-entropy on them:
 
     loss = - sum_{b,t} m[b,t] log pi(tokens[b,t] | tokens[b,:t]) / max(sum_{b,t} m[b,t], 1)
 
@@ -31,6 +35,7 @@ from absl import logging
 from sao_jax import eval as eval_lib
 from sao_jax import losses
 from sao_jax import parallel
+from sao_jax import rollout
 from sao_jax.envs import base as envs_base
 from sao_jax.learner import Learner
 from sao_jax.learner import learner as learner_lib
@@ -48,20 +53,40 @@ Metrics = dict[str, jax.Array]
 
 
 def solution_rows(task: envs_base.Task, tokenizer: Tokenizer, examples: Sequence[envs_base.Example], *,
-                  seq_buckets: Sequence[int]) -> dict[str, np.ndarray]:
-  """Rows `{'tokens': int32 [B, T], 'mask': float32 [B, T]}` of the examples with their reference replies.
+                  seq_buckets: Sequence[int], limits: rollout.EpisodeLimits | None = None
+                  ) -> dict[str, np.ndarray]:
+  """Rows `{'tokens': int32 [B, T], 'mask': float32 [B, T]}` of the examples' reference episodes.
 
-  `mask` is the chat template's assistant mask (the reply and its end-of-turn token); rows are right-padded
-  with `tokenizer.pad_id` to T = the smallest of `seq_buckets` that holds the longest row.
+  Each row is `rollout.replay_episode(task.make_env(ex), tokenizer, task.solution_actions(ex))`: its tokens, and
+  its action mask as the loss mask (the turns' tokens, each turn with its stop token). Rows are right-padded with
+  `tokenizer.pad_id` to T = the smallest of `seq_buckets` that holds the longest row.
+
+  Args:
+    task: gives the reference turns (`Task.solution_actions`) and the env that answers them.
+    tokenizer: the policy's tokenizer.
+    examples: the problems.
+    seq_buckets: the padded lengths allowed (`config.trainer.seq_buckets`).
+    limits: the episode budgets (`EpisodeLimits.from_config(config)`: a reference episode must fit what the
+      sampler allows); default: a budget of the largest bucket for a turn and for the episode.
 
   Raises:
-    ValueError: a row longer than the largest bucket.
+    ValueError: a reference episode that a limit cut, that the env ended with an error, or that did not earn the
+      full reward 1 (a wrong reference); a row longer than the largest bucket.
   """
+  longest_bucket = max(seq_buckets)
+  if limits is None:
+    limits = rollout.EpisodeLimits(max_turns=task.max_turns, max_new_tokens=longest_bucket,
+                                   max_seq_len=longest_bucket)
   rows = []
   for ex in examples:
-    messages = ex.messages() + [{'role': 'assistant', 'content': task.solution(ex)}]
-    ids, mask = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-    rows.append((ids, mask))
+    actions = task.solution_actions(ex)
+    traj = rollout.replay_episode(task.make_env(ex), tokenizer, actions, limits=limits)
+    if traj.truncated or 'error' in traj.info or traj.reward != 1.0:
+      raise ValueError(f'The reference episode of {ex.uid!r} ({actions!r}) got reward '
+                       f'{traj.reward} (cut by {traj.info.get("cut_by")}, error {traj.info.get("error")}): a '
+                       'warm start needs correct episodes that fit config.sampler.max_new_tokens / max_seq_len '
+                       'and config.task.max_turns.')
+    rows.append((traj.tokens, traj.action_mask))
   longest = max(len(ids) for ids, _ in rows)
   fits = [b for b in sorted(seq_buckets) if b >= longest]
   if not fits:
@@ -81,8 +106,9 @@ class SolutionStream:
   in order, or a fresh problem for every row (`num_examples=0`)."""
 
   def __init__(self, task: envs_base.Task, tokenizer: Tokenizer, *, seed: int, batch_size: int,
-               num_examples: int, seq_buckets: Sequence[int]):
+               num_examples: int, seq_buckets: Sequence[int], limits: rollout.EpisodeLimits | None = None):
     self._task, self._tokenizer = task, tokenizer
+    self._limits = limits
     self._it = task.train_iterator(seed)
     self._batch_size = batch_size
     self._buckets = tuple(seq_buckets)
@@ -101,7 +127,7 @@ class SolutionStream:
 
   def __next__(self) -> dict[str, np.ndarray]:
     examples = [self._next_example() for _ in range(self._batch_size)]
-    return solution_rows(self._task, self._tokenizer, examples, seq_buckets=self._buckets)
+    return solution_rows(self._task, self._tokenizer, examples, seq_buckets=self._buckets, limits=self._limits)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -177,7 +203,7 @@ def warm_start(learner: Learner, task: envs_base.Task, tokenizer: Tokenizer, con
 
   Args:
     learner: the fresh learner (step 0); its policy is updated in place and its critic re-initialised from it.
-    task: the task (`Task.solution` gives the replies).
+    task: the task (`Task.solution_actions` gives the reference turns).
     tokenizer: the policy's tokenizer.
     config: the run config (`sft`, `optim`, `trainer.seq_buckets`, `mesh`, `seed`).
     evaluate: greedy eval accuracy on the task's eval set before and after (`sao_jax.eval.evaluate`).
@@ -206,7 +232,8 @@ def warm_start(learner: Learner, task: envs_base.Task, tokenizer: Tokenizer, con
                                                      config.mesh.rules)
   step_fn = make_sft_step(spec, shardings, learner.mesh)
   data = SolutionStream(task, tokenizer, seed=int(config.seed) + int(s.data_seed), batch_size=int(s.batch_size),
-                        num_examples=int(s.num_examples), seq_buckets=tuple(config.trainer.seq_buckets))
+                        num_examples=int(s.num_examples), seq_buckets=tuple(config.trainer.seq_buckets),
+                        limits=rollout.EpisodeLimits.from_config(config))
   first = last = float('nan')
   tokens = 0
   t_steps = time.perf_counter()

@@ -1,12 +1,18 @@
-"""The supervised warm start: solution rows, the loss against a numpy reference, steps, the learner hand-off."""
+"""The supervised warm start: solution rows (single- and multi-turn, against hand-built layouts), the loss against a
+numpy reference, steps, the learner hand-off."""
+
+from unittest import mock
 
 from absl.testing import absltest
+from absl.testing import parameterized
 import jax
 import numpy as np
 from flax import nnx
 
 from configs import arith
+from configs import calculator as calculator_config
 from sao_jax import parallel
+from sao_jax import rollout
 from sao_jax import sft
 from sao_jax.envs import registry
 from sao_jax.learner import Learner
@@ -146,6 +152,127 @@ class SftTest(absltest.TestCase):
     d = np.minimum(s - 2, 8)  # Decay over steps - warmup = 8 steps, then the floor.
     want = np.where(s < 2, 0.5 * s / 2, 0.5 * (0.1 + 0.9 * (1 + np.cos(np.pi * d / 8)) / 2))
     np.testing.assert_allclose(lrs(), want, rtol=1e-5, atol=1e-7)
+
+
+def _calculator_config(mode):
+  c = calculator_config.get_config()
+  c.task.eval_size = 4
+  c.task.kwargs.observation_mode = mode
+  c.task.kwargs.observation_role = 'tool'
+  return c
+
+
+def _hand_built(tok, ex, mode):
+  """The reference episode's tokens and loss mask, written out from the text of its pieces (char tokenizer):
+  prompt | tool call | observation | answer, the assistant's pieces (with their stop tokens) masked in."""
+  expr, value = ex.data['expression'], ex.answer
+  if mode == 'inline':  # One assistant turn; the model stops at </calc>, the result is appended in its stream.
+    call, obs = f'<calc>{expr}</calc>', f'<result>{value}</result>'
+  else:  # The call ends the assistant turn; the observation is a tool message, then the next turn opens.
+    call, obs = f'<calc>{expr}</calc><|end|>', f'<|tool|><result>{value}</result><|end|><|assistant|>'
+  pieces = [(f'<|user|>{ex.prompt}<|end|><|assistant|>', 0), (call, 1), (obs, 0),
+            (f'<answer>{value}</answer><|end|>', 1)]
+  tokens, mask = [], []
+  for text, m in pieces:
+    ids = tok.encode(text)
+    tokens += ids
+    mask += [m] * len(ids)
+  return tokens, mask
+
+
+def _assert_row(tokens, mask, want_tokens, want_mask, pad_id):
+  n = len(want_tokens)
+  np.testing.assert_array_equal(tokens[:n], want_tokens)
+  np.testing.assert_array_equal(mask[:n], want_mask)
+  np.testing.assert_array_equal(tokens[n:], pad_id)
+  np.testing.assert_array_equal(mask[n:], 0.0)
+
+
+class MultiTurnRowsTest(parameterized.TestCase):
+  """Calculator rows: the whole reference episode, the loss on the assistant's tokens only."""
+
+  def setUp(self):
+    super().setUp()
+    self.tok = CharTokenizer()
+
+  def _rows(self, config, n=6):
+    task = registry.get_task(config.task)
+    it = task.train_iterator(5)
+    examples = [next(it) for _ in range(n)]
+    rows = sft.solution_rows(task, self.tok, examples, seq_buckets=config.trainer.seq_buckets,
+                             limits=rollout.EpisodeLimits.from_config(config))
+    return task, examples, rows
+
+  @parameterized.parameters('inline', 'message')
+  def test_rows_mask_exactly_the_assistant_turns(self, mode):
+    _, examples, rows = self._rows(_calculator_config(mode))
+    self.assertEqual(rows['tokens'].shape, (6, 80))  # The smaller of configs/calculator.py's two buckets.
+    for b, ex in enumerate(examples):
+      want_tokens, want_mask = _hand_built(self.tok, ex, mode)
+      _assert_row(rows['tokens'][b], rows['mask'][b], want_tokens, want_mask, self.tok.pad_id)
+      # The wrong variant, observation tokens in the loss, fails the same check.
+      wrong = np.array(want_mask + [0] * (rows['tokens'].shape[1] - len(want_mask)), np.float32)
+      wrong[len(self.tok.encode(f'<|user|>{ex.prompt}<|end|><|assistant|>')):len(want_mask)] = 1.0
+      with self.assertRaises(AssertionError):
+        _assert_row(rows['tokens'][b], wrong, want_tokens, want_mask, self.tok.pad_id)
+
+  def test_inline_rows_are_not_the_single_message_chat_rendering(self):
+    # The naive row, the inline episode as one assistant message of the chat template, has the same tokens but
+    # puts the tool's result in the loss: the check above rejects it.
+    task, examples, _ = self._rows(_calculator_config('inline'), n=1)
+    ex = examples[0]
+    call, final = task.solution_actions(ex)
+    ids, naive = self.tok.apply_chat_template(
+        ex.messages() + [{'role': 'assistant', 'content': f'{call}<result>{ex.answer}</result>{final}'}],
+        add_generation_prompt=False)
+    want_tokens, want_mask = _hand_built(self.tok, ex, 'inline')
+    self.assertEqual(ids, want_tokens)
+    with self.assertRaises(AssertionError):
+      _assert_row(np.array(ids), np.array(naive, np.float32), want_tokens, want_mask, self.tok.pad_id)
+
+  def test_message_rows_are_the_chat_template_rendering_of_the_conversation(self):
+    task, examples, rows = self._rows(_calculator_config('message'))
+    for b, ex in enumerate(examples):
+      call, final = task.solution_actions(ex)
+      ids, assistant = self.tok.apply_chat_template(
+          ex.messages() + [{'role': 'assistant', 'content': call},
+                           {'role': 'tool', 'content': f'<result>{ex.answer}</result>'},
+                           {'role': 'assistant', 'content': final}], add_generation_prompt=False)
+      _assert_row(rows['tokens'][b], rows['mask'][b], ids, assistant, self.tok.pad_id)
+
+  def test_single_turn_rows_are_the_chat_template_rendering_of_the_reply(self):
+    # arith (the demo's scratchpad replies): what the warm start trained on before multi-turn rows existed.
+    config = arith.get_config()
+    task = registry.get_task(config.task)
+    it = task.train_iterator(5)
+    examples = [next(it) for _ in range(8)]
+    rows = sft.solution_rows(task, self.tok, examples, seq_buckets=config.trainer.seq_buckets,
+                             limits=rollout.EpisodeLimits.from_config(config))
+    for b, ex in enumerate(examples):
+      ids, assistant = self.tok.apply_chat_template(
+          ex.messages() + [{'role': 'assistant', 'content': task.solution(ex)}], add_generation_prompt=False)
+      _assert_row(rows['tokens'][b], rows['mask'][b], ids, assistant, self.tok.pad_id)
+
+  def test_a_wrong_cut_or_short_reference_is_refused(self):
+    config = _calculator_config('inline')
+    task = registry.get_task(config.task)
+    ex = next(task.train_iterator(5))
+    limits = rollout.EpisodeLimits.from_config(config)
+    call, _ = task.solution_actions(ex)
+    cases = [([call, '<answer>1</answer>'], limits, 'got reward 0.0'),  # A wrong answer.
+             ([call], limits, 'wants a turn after the 1 given'),  # The episode needs one more turn.
+             ([call, call, call, call, call], limits, 'ended after 4 of the 5'),  # The turn limit came first.
+             (task.solution_actions(ex), rollout.EpisodeLimits(4, 8, 128), 'ended after 1 of the 2')]  # Turn budget.
+    for actions, lim, error in cases:
+      with mock.patch.object(task, 'solution_actions', return_value=actions):
+        with self.assertRaisesRegex(ValueError, error):
+          sft.solution_rows(task, self.tok, [ex], seq_buckets=(128,), limits=lim)
+
+  def test_the_calculator_config_holds_its_reference_episodes(self):
+    # The sampler's budgets and the learner's bucket hold the warm start's rows (the rows raise otherwise).
+    config = calculator_config.get_config()
+    _, _, rows = self._rows(config, n=256)
+    self.assertEqual(rows['tokens'].shape, (256, 80))
 
 
 if __name__ == '__main__':

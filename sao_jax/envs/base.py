@@ -294,10 +294,24 @@ class Task(abc.ABC):
     """An env bound to `example` (call `reset()` to start)."""
 
   def solution(self, example: Example) -> str:
-    """A correct final response to `example` (the assistant's reply text): the data of a supervised warm start
-    (`sao_jax.sft`). Tasks without one raise NotImplementedError."""
+    """A correct final response to `example` (the assistant's reply text) of a single-turn task. Tasks without
+    one raise NotImplementedError."""
     raise NotImplementedError(f'Task {self.name or type(self).__name__!r} has no reference solutions '
-                              '(Task.solution), so it cannot be warm-started (config.sft.steps).')
+                              '(Task.solution / Task.solution_actions), so it cannot be warm-started '
+                              '(config.sft.steps).')
+
+  def solution_actions(self, example: Example) -> list[str]:
+    """The model turns of a correct episode on `example`, in order: the data of a supervised warm start
+    (`sao_jax.sft`).
+
+    Each is the text of one model turn, as the env's `step` receives it: it ends where a model would stop,
+    at the end of the assistant turn or at one of the env's `stop_texts` (an inline tool call ends with
+    `</calc>`). Only the actions come from here: the observations between them are what `make_env(example)`
+    answers when the actions are played through it, so the reference episode is laid out exactly as the
+    rollout lays out a sampled one (`sao_jax.rollout.replay_episode`). Default: the single reply
+    `[self.solution(example)]`; multi-turn tasks override it.
+    """
+    return [self.solution(example)]
 
   def set_step(self, step: int) -> None:
     """Told the learner's step after every update and on resume (drift's `unit='steps'` schedule reads it);

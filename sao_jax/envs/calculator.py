@@ -11,6 +11,10 @@ Reaching `config.task.max_turns` with a pending tool call cuts the episode (trun
 
 Observations are 'inline' by default (the model stops at `</calc>`, the result is appended inside the
 assistant's stream, one assistant turn in all) or 'message' (a new chat message of `observation_role`).
+
+The prompt explains the tool (`tool_instructions`, on by default; a model warm-started on the reference
+episodes learns the tool from them and can do without). The reference episode (`solution_actions`, the warm
+start's data) calls the tool on the whole expression, then answers with its result.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class CalculatorOptions(arith.ArithOptions):
   max_abs: float = 1e40  # Bound on |value| of any intermediate result of the tool.
   max_exponent: int = 64  # Bound on exponents the tool accepts.
   max_action_chars: int = 16384  # Longer model turns end the episode with reward 0, unparsed.
+  tool_instructions: bool = True  # Explain the tool in the prompt (a warm-started model learns it from solutions).
 
   def check(self, path: str = 'task.kwargs') -> None:
     super().check(path)
@@ -111,10 +116,15 @@ class CalculatorTask(arith.GeneratedTask):
 
   def make_example(self, rng: np.random.Generator) -> base.Example:
     ex = arith.make_example(rng, self.opts, task='calculator')
-    return dataclasses.replace(ex, prompt=f'{_TOOL_PROMPT} {ex.prompt}')
+    return dataclasses.replace(ex, prompt=f'{_TOOL_PROMPT} {ex.prompt}') if self.opts.tool_instructions else ex
 
   def make_env(self, example: base.Example) -> CalculatorEnv:
     return CalculatorEnv(example, self.opts, max_turns=self.max_turns)
+
+  def solution_actions(self, example: base.Example) -> list[str]:
+    """The reference episode's turns (the warm start's data): one tool call on the whole expression, then the
+    answer, which the tool's result gives (`demo_actions`)."""
+    return demo_actions(example, self.opts.answer_format)
 
 
 @registry.register_task('calculator', CalculatorOptions, min_turns=2)
@@ -123,6 +133,7 @@ def _make(opts: CalculatorOptions, *, max_turns: int, eval_size: int) -> Calcula
 
 
 def demo_actions(example: base.Example, answer_format: str = 'tag') -> list[str]:
-  """A correct two-turn episode's action texts (one tool call, then the answer); used by tests and docs."""
+  """A correct two-turn episode's action texts: `<calc>EXPR</calc>` (the turn stops at the tool's closing tag in
+  'inline' mode, at the end of the assistant turn in 'message' mode), then the answer in `answer_format`."""
   expr = example.data['expression']
   return [f'<calc>{expr}</calc>', answers.render(example.answer, answer_format)]

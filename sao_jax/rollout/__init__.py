@@ -9,7 +9,8 @@
                   truncation=config.algo.truncation)
 
 - `backends`: `Backend` protocol, `Generation`, `SamplerBackend` (KV-cache sampler), `ContextBackend`.
-- `episodes`: `EpisodeLimits`, `run_episodes` (batched, multi-turn), `run_episode` (one episode, same loop).
+- `episodes`: `EpisodeLimits`, `run_episodes` (batched, multi-turn), `run_episode` (one episode, same loop),
+  `replay_episode` (given action texts through the same loop: reference episodes).
 - `layout`: `Turn`, `episode_to_trajectory`, `message_observation_ids`, `stop_ids_for`, `safe_decode`.
 - `pack`: `pack(...) -> Packed(batch, kept, dropped)`, `select` (what a batch can take), `check_batch`,
   `DROP_REASONS`.
@@ -18,7 +19,7 @@
 """
 
 from sao_jax.rollout.backends import Backend, ContextBackend, GenerateFn, Generation, SamplerBackend
-from sao_jax.rollout.episodes import EpisodeLimits, episode_seed, run_episode, run_episodes
+from sao_jax.rollout.episodes import EpisodeLimits, episode_seed, replay_episode, run_episode, run_episodes
 from sao_jax.rollout.layout import Turn, episode_to_trajectory, message_observation_ids, safe_decode, stop_ids_for
 from sao_jax.rollout.pack import DROP_REASONS, Packed, check_batch, pack, select
 from sao_jax.rollout.trajectory_queue import BatchDraw, QueueClosed, TrajectoryQueue

@@ -280,3 +280,36 @@ def run_episode(env: Env, tokenizer: Tokenizer, generate: GenerateFn, *, limits:
   backend = ContextBackend(generate, layout.stop_ids_for(env, tokenizer), version=version)
   return run_episodes(backend, tokenizer, [env], limits=limits, decoding=SamplingParams(), seeds=[0],
                       group_ids=[group_id], step_timeout_s=step_timeout_s)[0]
+
+
+def replay_episode(env: Env, tokenizer: Tokenizer, actions: Sequence[str], *, limits: EpisodeLimits,
+                   group_id: int = -1) -> types.Trajectory:
+  """The episode that a model writing `actions` (the text of each turn, in order) plays on `env`: the one runner
+  (`run_episode`) with the env's own observations, so a reference episode (the warm start's rows,
+  `sao_jax.sft`) is laid out exactly as a sampled one, `action_mask` on the turns' tokens only.
+
+  A turn's tokens are `tokenizer.encode(text)`, plus the end-of-turn token `tokenizer.eos_id` unless the text
+  already ends on one of the turn's stop tokens (an inline tool call's `</calc>`): what a model that wrote the
+  text generates, stop token included. Behaviour log-probs are 0. A turn longer than its budget is cut as a
+  sampled one is (`truncated`, `cut_by='max_new_tokens'`).
+
+  Raises:
+    ValueError: the env asked for more turns than `actions` has, or ended the episode before using them all.
+  """
+  queue = list(actions)
+
+  def generate(context, budget, stop_ids):
+    del context, budget  # The backend cuts a turn at its budget.
+    if not queue:
+      raise ValueError(f'replay_episode: the {type(env).__name__} episode wants a turn after the {len(actions)} '
+                       'given actions.')
+    ids = list(tokenizer.encode(queue.pop(0)))
+    if not ids or ids[-1] not in stop_ids:
+      ids.append(tokenizer.eos_id)
+    return ids, [0.0] * len(ids)
+
+  traj = run_episode(env, tokenizer, generate, limits=limits, group_id=group_id)
+  if queue:
+    raise ValueError(f'replay_episode: the {type(env).__name__} episode ended after {len(actions) - len(queue)} '
+                     f'of the {len(actions)} given actions ({traj.info}).')
+  return traj

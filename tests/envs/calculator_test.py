@@ -1,4 +1,5 @@
-"""The calculator's parsing is linear in the model's text and a step's timeout holds on hostile turns."""
+"""The calculator's parsing is linear in the model's text and a step's timeout holds on hostile turns; its reference
+episode (the warm start's data) earns the full reward from the real env."""
 
 import threading
 import time
@@ -92,6 +93,29 @@ class HostileTurnTest(absltest.TestCase):
   def test_bad_cap_names_the_field(self):
     with self.assertRaisesRegex(ConfigError, r'config\.task\.kwargs\.max_action_chars'):
       _env(max_action_chars=0)
+
+
+class ReferenceEpisodeTest(parameterized.TestCase):
+
+  @parameterized.product(mode=('inline', 'message'), fmt=('tag', 'boxed'), instructions=(True, False))
+  def test_solution_actions_played_through_the_env_earn_reward_1(self, mode, fmt, instructions):
+    task = envs.get_task(ml_collections.ConfigDict(
+        {'name': 'calculator', 'max_turns': 2, 'eval_size': 8,
+         'kwargs': {'observation_mode': mode, 'answer_format': fmt, 'tool_instructions': instructions}}))
+    for ex in task.eval_set():
+      expr = ex.data['expression']
+      self.assertEqual('<calc>' in ex.prompt, instructions)  # The tool explained in the prompt, or not.
+      value = eval(expr, {'__builtins__': {}})  # pylint: disable=eval-used  (digits and + - * only)
+      self.assertEqual(ex.answer, str(value))
+      call, final = task.solution_actions(ex)
+      env = task.make_env(ex)
+      env.reset()
+      obs, reward, done, info = env.step(call)
+      self.assertEqual((obs, reward, done, info['tool_calls']), (f'<result>{value}</result>', 0.0, False, 1))
+      _, reward, done, info = env.step(final)
+      self.assertEqual((reward, done, info['correct'], info['tool_calls']), (1.0, True, True, 1))
+      # The final turn reads the answer off the tool's result: no arithmetic of its own.
+      self.assertIn(str(value), final)
 
 
 if __name__ == '__main__':

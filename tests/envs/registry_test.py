@@ -98,7 +98,7 @@ class TaskConfigTest(parameterized.TestCase):
 
   def test_episode_limits_from_config(self):
     config = importlib.import_module('configs.calculator').get_config()
-    self.assertEqual(rollout.EpisodeLimits.from_config(config), rollout.EpisodeLimits(4, 48, 512))
+    self.assertEqual(rollout.EpisodeLimits.from_config(config), rollout.EpisodeLimits(4, 20, 128))
 
   def test_validate_names_task_fields(self):
     config = importlib.import_module('configs.math').get_config()
