@@ -79,7 +79,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # moved, 4e-4 and 6e-4 rose slower and fell back, 5e-4 collapsed).
   c.optim.schedule = 'cosine'  # Decay to lr * end_lr_factor over the run (the critic's K=2 updates per step
   # reach its floor halfway).
-  c.optim.total_steps = 400  # Cosine horizon in policy optimizer steps: trainer.num_steps (set both).
+  c.optim.total_steps = 400  # Cosine horizon of both optimizers (as measured; 0 = each one's updates in the run).
   c.optim.end_lr_factor = 0.1  # Floor of the decay.
   c.optim.critic_lr = 1e-3  # Critic (value head from zero, backbone from the warm-started policy).
   return c

@@ -63,7 +63,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   o.critic_lr = 5e-6  # Peak learning rate of the value model (SAO: 5e-6).
   o.schedule = 'constant'  # After warmup: constant or cosine (decay to lr * end_lr_factor).
   o.warmup_steps = 0  # Linear learning-rate warmup, in optimizer steps.
-  o.total_steps = 1000  # Horizon of the cosine schedule, in optimizer steps.
+  o.total_steps = 0  # Horizon of the cosine schedule, in optimizer steps (0 = the whole run: each optimizer's
+  # updates in trainer.num_steps learner steps, sao_jax.learner.optimizer_horizons; K=2 doubles the critic's).
   o.end_lr_factor = 0.1  # Cosine schedule floor as a fraction of the peak.
   o.b1 = 0.9  # AdamW beta1.
   o.b2 = 0.999  # AdamW beta2.

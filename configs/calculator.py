@@ -83,7 +83,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optim.actor_lr = 2e-4  # Arith's: a 0.14M-parameter model takes larger steps than SAO's 1e-6 (a 60-step probe at
   # 4e-4 first fell to 23% at step 20, then rose to 55% at 60).
   c.optim.schedule = 'cosine'  # Decay to lr * end_lr_factor over the run.
-  c.optim.total_steps = 300  # Cosine horizon in policy optimizer steps: trainer.num_steps (set both).
+  c.optim.total_steps = 300  # Cosine horizon of both optimizers (as measured; 0 = each one's updates in the run).
   c.optim.end_lr_factor = 0.1  # Floor of the decay.
   c.optim.critic_lr = 1e-3  # Critic (value head from zero, backbone from the warm-started policy).
   return c

@@ -84,7 +84,8 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     Experiment('stability', 'SAO for 1000 learner steps, async GRPO beside it (calculator)',
                'configs/calculator.py',
                (Arm('sao'), Arm('grpo', {'algo.name': 'grpo', 'algo.group_size': G})),
-               seeds=(0,), overrides={'trainer.num_steps': 1000, 'trainer.eval_every': 50},
+               seeds=(0,), overrides={'trainer.num_steps': 1000, 'trainer.eval_every': 50,
+                                      'optim.total_steps': 0},  # Each optimizer's cosine spans the 1000 steps.
                panels=STABILITY_PANELS),
     Experiment('drift', 'Online learning under drift: SAO vs GRPO across rule shifts', 'configs/drift.py',
                (Arm('sao'), Arm('grpo', {'algo.name': 'grpo', 'algo.group_size': G})),

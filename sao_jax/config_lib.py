@@ -156,7 +156,7 @@ FIELDS: dict[str, Check] = {
     'optim.critic_lr': _float(ge=0.0),
     'optim.schedule': Check(str),
     'optim.warmup_steps': _int(ge=0),
-    'optim.total_steps': _int(ge=1),
+    'optim.total_steps': _int(ge=0, why='0 = the whole run (sao_jax.learner.optimizer_horizons).'),
     'optim.end_lr_factor': _float(ge=0.0, le=1.0),
     'optim.b1': _float(ge=0.0, lt=1.0),
     'optim.b2': _float(ge=0.0, lt=1.0),

@@ -97,15 +97,16 @@ class Learner:
     parallel.check_layout(config, self.mesh, model_config)
     rules = config.mesh.rules
     o = config.optim
+    policy_updates, critic_updates = optim_lib.optimizer_horizons(config)
     self.policy_spec, policy_state, policy_sh = state_lib.create_train_state(
-        policy, optim_lib.make_optimizer(o, o.actor_lr), self.mesh, rules)
+        policy, optim_lib.make_optimizer(o, o.actor_lr, policy_updates), self.mesh, rules)
     rep = parallel.replicated(self.mesh)
     self.critic_spec, critic_state, critic_sh = None, None, None
     if cfg.uses_critic:
       if critic is None:
         critic = default_critic(policy, int(config.seed) + 1)
       self.critic_spec, critic_state, critic_sh = state_lib.create_train_state(
-          critic, optim_lib.make_optimizer(o, o.critic_lr), self.mesh, rules,
+          critic, optim_lib.make_optimizer(o, o.critic_lr, critic_updates), self.mesh, rules,
           trainable=critic_trainable(bool(o.freeze_critic_attention)))
     step0 = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=rep)()
     self.state = steps_lib.LearnerState(policy=policy_state, critic=critic_state, step=step0)

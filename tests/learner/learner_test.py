@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import tempfile
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -304,6 +305,33 @@ class StepPartsTest(absltest.TestCase):
     c.optim.total_steps = 4
     with self.assertRaisesRegex(ConfigError, 'config.optim.total_steps=4'):
       optim_lib.make_schedule(c.optim, 1.0)
+
+  def test_whole_run_horizons(self):
+    # total_steps = 0: each optimizer decays over its own updates in the run. SAO, 20 learner steps, critic-only
+    # warmup 3, K=2, batch 8 in minibatches of 4 (M=2): policy (20 - 3) * 1 * 2 = 34, critic 20 * 2 * 2 = 80.
+    c = H.config(**{'trainer.num_steps': 20, 'algo.critic_warmup_steps': 3, 'trainer.minibatch_size': 4,
+                    'optim.schedule': 'cosine', 'optim.total_steps': 0, 'optim.end_lr_factor': 0.1})
+    self.assertEqual(optim_lib.optimizer_horizons(c), (34, 80))
+    g = H.config('grpo', **{'trainer.num_steps': 20, 'trainer.policy_epochs': 2})
+    self.assertEqual(optim_lib.optimizer_horizons(g), (40, 0))  # 20 * 2 epochs * M=1; no critic.
+    lr = optim_lib.make_schedule(c.optim, 1.0, 34)
+    np.testing.assert_allclose([lr(0), lr(17), lr(34), lr(80)], [1, 0.55, 0.1, 0.1], atol=1e-6)
+    with self.assertRaisesRegex(ConfigError, 'total_steps=0'):
+      optim_lib.make_schedule(c.optim, 1.0)  # No horizon to decay over.
+    # The learner hands each optimizer its own horizon (policy 34, critic 80), not the other's or none.
+    seen = []
+    def spy(o, lr, run_steps=None):
+      seen.append((lr, run_steps))
+      return make_optimizer(o, lr, run_steps)
+    make_optimizer = optim_lib.make_optimizer
+    c.optim.actor_lr, c.optim.critic_lr = 1e-3, 2e-3
+    with mock.patch.object(optim_lib, 'make_optimizer', spy):
+      Learner(c, policy=H.policy_fn(), mesh=H.mesh(1, 1))
+    self.assertEqual(seen, [(1e-3, 34), (2e-3, 80)])
+    c.trainer.num_steps = 2  # 2 critic-only steps of a 3-step warmup: no decay phase for a 5-step LR warmup.
+    c.optim.warmup_steps = 5
+    with self.assertRaisesRegex(ConfigError, r'total_steps=0: the policy makes 2 optimizer updates'):
+      optim_lib.check_config(c)
 
 
 class MultiProcessTest(absltest.TestCase):
