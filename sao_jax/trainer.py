@@ -342,6 +342,11 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
                       f'{jax.process_count() * group_size}.')
   logging.info('Model %s: %.1fM parameters; algorithm %s (group size %d); mode %s.', model_config.name,
                model_config.num_params() / 1e6, cfg.name, group_size, tr.mode)
+  if jax.process_count() > 1:
+    # Every packed length's update compiled now, not inside `Learner.dispatch`: the first update (the first
+    # collective of the learner's devices) then starts right after the loop's `parallel.sync('step')` on every
+    # process, however uneven the compiles were (gloo's 30 s window, `parallel.sync`).
+    learner.compile_update(int(tr.batch_size), tuple(tr.seq_buckets))
 
   # ---- Checkpoint: resume when the workdir holds one.
   stream = task.train_iterator(int(config.seed))
