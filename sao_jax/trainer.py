@@ -353,7 +353,9 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
   if jax.process_count() > 1:
     stream = ProcessShard(stream, jax.process_index(), jax.process_count())
   prompts = actor_lib.PromptSource(stream)
-  parallel.sync('checkpointer')  # After uneven compile work; orbax's first barrier is a device collective.
+  # After uneven compile work. Orbax's first barrier, a restore's fingerprints and a warm start run collectives
+  # next: the handshake sets up the learner devices' (and the process gathers') gloo contexts first.
+  parallel.sync('checkpointer', meshes=(mesh,))
   ckpt = checkpoint_lib.Checkpointer.from_config(config)
   start = 0
   if ckpt.latest_step() is not None:

@@ -169,6 +169,18 @@ class ShardingTest(parameterized.TestCase):
     with self.assertRaisesRegex(ConfigError, 'process_id=3'):
       parallel.initialize(c.distributed)
 
+  def test_handshake_sums_over_every_group_of_the_mesh(self):
+    # data 2 x fsdp 4 x tensor 1: the groups of {data} (2 devices), {fsdp} (4) and {data, fsdp} (8); tensor has
+    # no group. Each sum of ones counts its group's devices: a missing or wrong collective shows.
+    mesh = parallel.make_mesh(dict(data=2, fsdp=4, tensor=1))
+    compiled, x = parallel.handshake_program(mesh)
+    sums = [np.asarray(parallel.to_host(s)) for s in compiled(x)]
+    np.testing.assert_array_equal(np.stack(sums), np.array([[2] * 8, [4] * 8, [8] * 8]))
+    self.assertIs(parallel.handshake_program(mesh)[0], compiled)  # Compiled once per mesh.
+    self.assertIsNone(parallel.handshake_program(parallel.make_mesh(dict(data=1, fsdp=1, tensor=1),
+                                                                    devices=jax.devices()[:1])))
+    parallel.sync('one process', meshes=(mesh,))  # One process: returns at once.
+
   @parameterized.parameters(
       (dict(num_processes=0), 'num_processes=0'),
       (dict(num_processes=2, process_id=2, coordinator_address='h:1'), r'process_id=2: must be in \[0, 2\)|'
