@@ -479,7 +479,11 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
         dropped_pack.update(dropped)
         trajs += [got[i] for i in kept]
         staleness += [trajectory_queue.staleness([got[i]], version) for i in kept]
-      packed = rollout.pack(trajs, seq_buckets=tuple(tr.seq_buckets), pad_id=tokenizer.pad_id, rows=rows,
+      buckets = tuple(int(b) for b in tr.seq_buckets)
+      if jax.process_count() > 1:  # One global batch, one length: the smallest bucket that fits every process's rows.
+        longest = parallel.process_max('batch_length', max(len(t.tokens) for t in trajs))
+        buckets = tuple(b for b in buckets if b >= longest) or buckets  # (None fits: pack names the long row.)
+      packed = rollout.pack(trajs, seq_buckets=buckets, pad_id=tokenizer.pad_id, rows=rows,
                             group_size=group_size, truncation=cfg.truncation)
       counts['dropped_pack'] += sum(dropped_pack.values())
       # Episode timing of the batch (the loop benchmark's calibration of sao_jax.sim reads these).

@@ -5,6 +5,7 @@ from sao_jax.parallel.distributed import handshake_program
 from sao_jax.parallel.distributed import initialize
 from sao_jax.parallel.distributed import is_main_process
 from sao_jax.parallel.distributed import local_row_range
+from sao_jax.parallel.distributed import process_max
 from sao_jax.parallel.distributed import sync
 from sao_jax.parallel.distributed import to_host
 from sao_jax.parallel.mesh import BATCH_AXES

@@ -155,6 +155,32 @@ def sync(name: str, *, meshes: Sequence[Mesh] = (), timeout_s: float = 3600.0) -
     jax.block_until_ready(compiled(x))
 
 
+_exchange_count = 0
+
+
+def process_max(name: str, value: int, *, timeout_s: float = 3600.0) -> int:
+  """The largest of every process's `value` (one process: `value`). Call it in the same order on every process.
+
+  Through the coordination service's key-value store, not a device collective: it never waits behind programs
+  still running on the devices (an async loop agrees on a batch's length while the previous update runs). The
+  keys of the exchange two back are deleted: every process has read them by then (this process read every key
+  of the last exchange, which each process wrote only after reading all of the one before).
+  """
+  global _exchange_count
+  if jax.process_count() == 1:
+    return int(value)
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top  (as in `sync`)
+  client = jax_distributed.global_state.client
+  _exchange_count += 1
+  me = jax.process_index()
+  client.key_value_set(f'sao_jax/max/{_exchange_count}/{name}/{me}', str(int(value)))
+  got = [int(client.blocking_key_value_get(f'sao_jax/max/{_exchange_count}/{name}/{i}', int(timeout_s * 1000)))
+         for i in range(jax.process_count())]
+  if _exchange_count > 2:
+    client.key_value_delete(f'sao_jax/max/{_exchange_count - 2}')  # The key's directory: every process's.
+  return max(got)
+
+
 def is_main_process() -> bool:
   """True on process 0: the one that logs metrics and writes checkpoints' metadata."""
   return jax.process_index() == 0
