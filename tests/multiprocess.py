@@ -48,9 +48,10 @@ FAST_COMPILE = ('--xla_backend_optimization_level=0', '--xla_cpu_use_fusion_emit
 def env(devices_per_process: int, cache_dir: str | None = None, xla_flags: Sequence[str] = ()) -> dict[str, str]:
   """The children's environment: CPU, `devices_per_process` simulated devices (and `xla_flags`, e.g.
   `FAST_COMPILE`), this checkout on the path; a persistent compilation cache in `cache_dir` (process 0 writes it;
-  later launches read it: it serves process 0 only, the others' cache keys differ), else none: not the suite's
-  shared one (tests/conftest.py), whose entries written by other tests mid-run could let one process load a
-  program the other compiles, and start a collective more than gloo's 30 s after it."""
+  later launches read it: it serves process 0 only, the others' cache keys differ; a resumed 2-process trainer
+  run whose process 0 loaded its sharded update while process 1 compiled it hung, see docs/design.md), else
+  none: not the suite's shared one (tests/conftest.py), whose entries written by other tests mid-run could let
+  one process load a program the other compiles."""
   out = dict(os.environ, XLA_FLAGS=' '.join([f'--xla_force_host_platform_device_count={devices_per_process}',
                                              *xla_flags]),
              JAX_PLATFORMS='cpu', PYTHONPATH=ROOT, PYTHONFAULTHANDLER='1')

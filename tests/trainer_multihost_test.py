@@ -5,13 +5,14 @@ metrics rows and both processes' data positions go on); a SIGTERM reaching one p
 saved, exit 0. And `trainer.run` takes SIGTERM from its start (jax's preemption notifier swallows it otherwise).
 
 Sync mode: every step takes exactly `batch_size / 2` prompts on each process, so the data positions are known at
-every step (async actors run ahead of the learner by the queue's depth). The two launches share one persistent
-compilation cache (it serves process 0 only: the other's cache keys differ, so its compile times differ from
-process 0's). Uneven compiles are what the trainer must survive: on the CPU backend the first collective of a
-device group fails when one process arrives more than 30 s after the other (gloo), so the trainer compiles its
-update ahead and meets at `parallel.sync` barriers with a handshake over the learner's devices (see
-`sao_jax.parallel.sync`). The children compile with `multiprocess.FAST_COMPILE` (about 2.5x less compile CPU);
-both launches take about 80 s of CPU in all. A hang (e.g. processes entering collectives in different orders)
+every step (async actors run ahead of the learner by the queue's depth). Uneven compiles are what the trainer must
+survive: on the CPU backend the first collective of a device group fails when one process arrives more than 30 s
+after the other (gloo), so the trainer compiles its update ahead and meets at `parallel.sync` barriers with a
+handshake over the learner's devices (see `sao_jax.parallel.sync`). No persistent compilation cache: it serves
+process 0 only (the other's cache keys differ), and a resumed launch whose process 0 loaded its programs while
+process 1 compiled them hung in its first update with the parameters sharded over the learner mesh
+(`mesh.actor_devices=2`). The children compile with `multiprocess.FAST_COMPILE` (about 2.5x less compile CPU).
+A hang (e.g. processes entering collectives in different orders)
 fails the test at its deadline: the workers get SIGTERM, then SIGABRT (their stacks in the failure message), then
 SIGKILL (`tests.multiprocess`).
 """
@@ -61,10 +62,10 @@ class MultiHostTest(absltest.TestCase):
 
   def test_two_processes_train_checkpoint_resume_and_stop_on_sigterm(self):
     out = tempfile.mkdtemp()
-    workdir, cache = os.path.join(out, 'work'), os.path.join(out, 'jax_cache')
+    workdir = os.path.join(out, 'work')
 
     # Launch 1: steps 1-2, checkpoint 2 (the last step).
-    first = multiprocess.start(command(workdir, 2), out, devices_per_process=4, cache_dir=cache,
+    first = multiprocess.start(command(workdir, 2), out, devices_per_process=4,
                                xla_flags=multiprocess.FAST_COMPILE, name='first')
     multiprocess.wait(self, first, timeout_s=TIMEOUT_S)
     self.assertEqual(steps_written(workdir), [1, 2])
@@ -72,7 +73,7 @@ class MultiHostTest(absltest.TestCase):
 
     # Launch 2: the same command with more steps resumes at 2; once step 3 is written, SIGTERM reaches process 1
     # only: both processes stop at the same step N, save it and exit 0.
-    second = multiprocess.start(command(workdir, 1000), out, devices_per_process=4, cache_dir=cache,
+    second = multiprocess.start(command(workdir, 1000), out, devices_per_process=4,
                                 xla_flags=multiprocess.FAST_COMPILE, name='second')
     deadline = time.monotonic() + TIMEOUT_S
     while max(steps_written(workdir), default=0) < 3:
