@@ -342,13 +342,20 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
                       f'{jax.process_count() * group_size}.')
   logging.info('Model %s: %.1fM parameters; algorithm %s (group size %d); mode %s.', model_config.name,
                model_config.num_params() / 1e6, cfg.name, group_size, tr.mode)
+  if jax.process_count() > 1:
+    # Every packed length's update compiled now, not inside `Learner.dispatch`: the first update (the first
+    # collective of the learner's devices) then starts right after the loop's `parallel.sync('step')` on every
+    # process, however uneven the compiles were (gloo's 30 s window, `parallel.sync`).
+    learner.compile_update(int(tr.batch_size), tuple(tr.seq_buckets))
 
   # ---- Checkpoint: resume when the workdir holds one.
   stream = task.train_iterator(int(config.seed))
   if jax.process_count() > 1:
     stream = ProcessShard(stream, jax.process_index(), jax.process_count())
   prompts = actor_lib.PromptSource(stream)
-  parallel.sync('checkpointer')  # After uneven compile work; orbax's first barrier is a device collective.
+  # After uneven compile work. Orbax's first barrier, a restore's fingerprints and a warm start run collectives
+  # next: the handshake sets up the learner devices' (and the process gathers') gloo contexts first.
+  parallel.sync('checkpointer', meshes=(mesh,))
   ckpt = checkpoint_lib.Checkpointer.from_config(config)
   start = 0
   if ckpt.latest_step() is not None:
@@ -472,7 +479,11 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
         dropped_pack.update(dropped)
         trajs += [got[i] for i in kept]
         staleness += [trajectory_queue.staleness([got[i]], version) for i in kept]
-      packed = rollout.pack(trajs, seq_buckets=tuple(tr.seq_buckets), pad_id=tokenizer.pad_id, rows=rows,
+      buckets = tuple(int(b) for b in tr.seq_buckets)
+      if jax.process_count() > 1:  # One global batch, one length: the smallest bucket that fits every process's rows.
+        longest = parallel.process_max('batch_length', max(len(t.tokens) for t in trajs))
+        buckets = tuple(b for b in buckets if b >= longest) or buckets  # (None fits: pack names the long row.)
+      packed = rollout.pack(trajs, seq_buckets=buckets, pad_id=tokenizer.pad_id, rows=rows,
                             group_size=group_size, truncation=cfg.truncation)
       counts['dropped_pack'] += sum(dropped_pack.values())
       # Episode timing of the batch (the loop benchmark's calibration of sao_jax.sim reads these).

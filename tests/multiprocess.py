@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRACE_S = 20.0  # Between the SIGTERM of a deadline and the SIGABRT (stacks), which is followed by the SIGKILL.
@@ -39,12 +40,20 @@ class Process:
       return f.read()[-chars:]
 
 
-def env(devices_per_process: int, cache_dir: str | None = None) -> dict[str, str]:
-  """The children's environment: CPU, `devices_per_process` simulated devices, this checkout on the path; a
-  persistent compilation cache in `cache_dir` (process 0 writes it; later launches read it), else none: not the
-  suite's shared one (tests/conftest.py), whose entries written by other tests mid-run could let one process
-  load a program the other compiles, and start a collective more than gloo's 30 s after it."""
-  out = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices_per_process}',
+# XLA flags that make CPU compiles about 2.5x cheaper (LLVM at -O0, no fusion emitters; the learner update of the
+# 2-process trainer test: 9 s of CPU instead of 26 s) for programs whose speed and last bits do not matter.
+FAST_COMPILE = ('--xla_backend_optimization_level=0', '--xla_cpu_use_fusion_emitters=false')
+
+
+def env(devices_per_process: int, cache_dir: str | None = None, xla_flags: Sequence[str] = ()) -> dict[str, str]:
+  """The children's environment: CPU, `devices_per_process` simulated devices (and `xla_flags`, e.g.
+  `FAST_COMPILE`), this checkout on the path; a persistent compilation cache in `cache_dir` (process 0 writes it;
+  later launches read it: it serves process 0 only, the others' cache keys differ; a resumed 2-process trainer
+  run whose process 0 loaded its sharded update while process 1 compiled it hung, see docs/design.md), else
+  none: not the suite's shared one (tests/conftest.py), whose entries written by other tests mid-run could let
+  one process load a program the other compiles."""
+  out = dict(os.environ, XLA_FLAGS=' '.join([f'--xla_force_host_platform_device_count={devices_per_process}',
+                                             *xla_flags]),
              JAX_PLATFORMS='cpu', PYTHONPATH=ROOT, PYTHONFAULTHANDLER='1')
   out.pop('JAX_COMPILATION_CACHE_DIR', None)
   if cache_dir:
@@ -61,13 +70,14 @@ def _popen(cmd: list[str], env_vars: dict[str, str], log: str) -> Process:
 
 
 def start(cmd: list[str], out_dir: str, *, num_processes: int = 2, devices_per_process: int = 2,
-          cache_dir: str | None = None, name: str = 'proc') -> list[Process]:
+          cache_dir: str | None = None, xla_flags: Sequence[str] = (), name: str = 'proc') -> list[Process]:
   """Starts `cmd` `num_processes` times as one `jax.distributed` run (`sao_jax.parallel.initialize` reads
-  `SAO_COORDINATOR_ADDRESS`, `SAO_NUM_PROCESSES`, `SAO_PROCESS_ID`), output to `out_dir/<name><i>.log`."""
+  `SAO_COORDINATOR_ADDRESS`, `SAO_NUM_PROCESSES`, `SAO_PROCESS_ID`), output to `out_dir/<name><i>.log`; `env`
+  for `cache_dir` and `xla_flags`."""
   port = free_port()
   procs = []
   for i in range(num_processes):
-    e = dict(env(devices_per_process, cache_dir), SAO_COORDINATOR_ADDRESS=f'127.0.0.1:{port}',
+    e = dict(env(devices_per_process, cache_dir, xla_flags), SAO_COORDINATOR_ADDRESS=f'127.0.0.1:{port}',
              SAO_NUM_PROCESSES=str(num_processes), SAO_PROCESS_ID=str(i))
     procs.append(_popen(cmd, e, os.path.join(out_dir, f'{name}{i}.log')))
   return procs

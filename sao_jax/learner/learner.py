@@ -13,7 +13,7 @@ updated in place. On several processes each one passes its own rows of the batch
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -28,7 +28,7 @@ from sao_jax.learner import algo as algo_lib
 from sao_jax.learner import optim as optim_lib
 from sao_jax.learner import state as state_lib
 from sao_jax.learner import steps as steps_lib
-from sao_jax.types import Batch
+from sao_jax.types import BATCH_FIELDS, Batch
 
 ModelOrFn = nnx.Module | Callable[[], nnx.Module]
 
@@ -128,6 +128,7 @@ class Learner:
     self._step_fn = jax.jit(fn, in_shardings=(self.state_shardings, batch_sh, ref_sh),
                             out_shardings=(self.state_shardings, rep), donate_argnums=(0,))
     self._batch_shardings = batch_sh
+    self._compiled: dict[tuple[int, int], Any] = {}  # (rows, T) -> the update compiled ahead (`compile_update`).
     self.max_consecutive_skips = int(o.max_consecutive_skips)
     self.last_step_time_s = float('nan')
 
@@ -157,6 +158,26 @@ class Learner:
 
   # ---- Update.
 
+  def compile_update(self, rows: int, seq_lens: Sequence[int]) -> None:
+    """Compiles the update ahead of time for global batches of `rows` x `T` tokens, each `T` in `seq_lens`.
+
+    `dispatch` then runs these executables and compiles nothing. On several processes the trainer calls this
+    before a `parallel.sync` barrier, so the processes reach the update's first collective together however
+    uneven their compile times (on the CPU backend the first collective of a device group sets up a gloo
+    context, which fails when one process arrives more than 30 s after another). Lowering reads only the
+    state's shapes and shardings: nothing runs, nothing is donated.
+    """
+    for seq_len in seq_lens:
+      if (rows, int(seq_len)) in self._compiled:
+        continue
+      t0 = time.perf_counter()
+      shape = (rows, int(seq_len))
+      batch = Batch.map_fields(lambda k, rank, shape=shape: jax.ShapeDtypeStruct(
+          shape[:rank], BATCH_FIELDS[k][1], sharding=getattr(self._batch_shardings, k)))
+      self._compiled[shape] = self._step_fn.lower(self.state, batch, self.ref_state).compile()
+      logging.info('Compiled the learner update for batches of %d x %d tokens in %.1f s.', rows, seq_len,
+                   time.perf_counter() - t0)
+
   def update(self, batch: Batch) -> dict[str, float]:
     """One learner step on `batch`; returns host metrics (floats) including throughput.
 
@@ -170,7 +191,8 @@ class Learner:
     and place the next batch while the step runs. `collect` its result before dispatching another."""
     t0 = time.perf_counter()
     batch = self.put_batch(batch)
-    self.state, metrics = self._step_fn(self.state, batch, self.ref_state)
+    step_fn = self._compiled.get(tuple(batch.tokens.shape), self._step_fn)  # Compiled ahead, else jit's.
+    self.state, metrics = step_fn(self.state, batch, self.ref_state)
     counters = {'policy': self.state.policy.consecutive_skips}
     if self.state.critic is not None:
       counters['critic'] = self.state.critic.consecutive_skips

@@ -1,9 +1,11 @@
 """Mesh construction, logical-axis rules -> NamedSharding, multi-host start-up and batch feeding."""
 
 from sao_jax.parallel.distributed import global_batch
+from sao_jax.parallel.distributed import handshake_program
 from sao_jax.parallel.distributed import initialize
 from sao_jax.parallel.distributed import is_main_process
 from sao_jax.parallel.distributed import local_row_range
+from sao_jax.parallel.distributed import process_max
 from sao_jax.parallel.distributed import sync
 from sao_jax.parallel.distributed import to_host
 from sao_jax.parallel.mesh import BATCH_AXES

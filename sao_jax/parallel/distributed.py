@@ -7,13 +7,15 @@ checkpoint writes that must happen once are gated by `is_main_process()`.
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from absl import logging
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sao_jax.errors import ConfigError
 from sao_jax.parallel import sharding as sharding_lib
@@ -88,24 +90,95 @@ def initialize(distributed_config: Any | None = None, *, timeout_s: int = 300) -
 
 
 _barrier_count = 0
+_handshakes: dict[Mesh, Any] = {}
 
 
-def sync(name: str, *, timeout_s: float = 3600.0) -> None:
+def handshake_program(mesh: Mesh) -> tuple[Any, jax.Array] | None:
+  """A compiled program and its input: one `psum` of a value per device over every device group of `mesh` (the
+  groups of each non-empty subset of its axes longer than 1), so running it uses every group the mesh's
+  collectives can use. Returns the sums, one array per subset (in `itertools.combinations` order). None when no
+  axis is longer than 1. Compiled once per mesh.
+  """
+  if mesh in _handshakes:
+    return _handshakes[mesh]
+  axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+  subsets = [g for r in range(1, len(axes) + 1) for g in itertools.combinations(axes, r)]
+  out = None
+  if subsets:
+    spec = PartitionSpec(tuple(mesh.axis_names))  # One element per device.
+    x = jax.make_array_from_callback((mesh.devices.size,), NamedSharding(mesh, spec),
+                                     lambda index: np.ones((1,), np.int32))
+    fn = jax.shard_map(lambda v: tuple(jax.lax.psum(v, g) for g in subsets), mesh=mesh, in_specs=spec,
+                       out_specs=(spec,) * len(subsets))
+    out = (jax.jit(fn).lower(x).compile(), x)
+  _handshakes[mesh] = out
+  return out
+
+
+def _processes_mesh() -> Mesh:
+  """All devices as (processes, local devices): the groups of `multihost_utils.process_allgather` (and so of
+  orbax's barriers and of `_any_process`-style host gathers)."""
+  return Mesh(np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count()),
+              ('processes', 'local_devices'))
+
+
+def sync(name: str, *, meshes: Sequence[Mesh] = (), timeout_s: float = 3600.0) -> None:
   """Waits until every process has reached this point (one process: returns at once).
 
   A barrier of `jax.distributed`'s coordination service: no device, no collective, a long timeout. Call it, in the
   same order on every process, before device collectives that follow uneven process-local work (compiling the
-  actors' samplers, a persistent compilation cache that only process 0 writes, process 0's metrics files): on the
-  CPU backend the first collective of a device group sets up a gloo context, and that fails ("Gloo context
-  initialization failed: DEADLINE_EXCEEDED: GetKeyValue() timed out ... 30s") when one process arrives more than
-  30 s after another. Later collectives of the group wait as long as it takes.
+  actors' samplers; a persistent compilation cache serves process 0 only, the others' cache keys differ; process
+  0's metrics files): on the CPU backend the first collective of a device group sets up a gloo context, and that fails
+  ("Gloo context initialization failed: DEADLINE_EXCEEDED: GetKeyValue() timed out ... 30s"; the 30 s are fixed
+  in XLA, no jax or XLA option changes them) when one process arrives more than 30 s after another. Later
+  collectives of the group wait as long as it takes.
+
+  Args:
+    name: names the barrier (with a counter: the same sequence of calls on every process).
+    meshes: with these, right after the barrier every process runs `handshake_program` of each mesh that spans
+      several processes, and of the processes' mesh (`process_allgather`'s groups), compiled before the
+      barrier: every group's gloo context is set up while the processes are together, so no later collective
+      over those groups can meet the 30 s window, however uneven the work before it (a restore, a warm start).
+    timeout_s: of the barrier.
   """
   global _barrier_count
   if jax.process_count() == 1:
     return
   from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top  (as orbax does)
+  programs = []
+  if meshes:
+    spanning = [m for m in meshes if len({d.process_index for d in m.devices.flat}) > 1]
+    programs = [p for p in map(handshake_program, [*spanning, _processes_mesh()]) if p is not None]
   _barrier_count += 1  # Unique ids, the same sequence on every process.
   jax_distributed.global_state.client.wait_at_barrier(f'sao_jax/{name}/{_barrier_count}', int(timeout_s * 1000))
+  for compiled, x in programs:
+    jax.block_until_ready(compiled(x))
+
+
+_exchange_count = 0
+
+
+def process_max(name: str, value: int, *, timeout_s: float = 3600.0) -> int:
+  """The largest of every process's `value` (one process: `value`). Call it in the same order on every process.
+
+  Through the coordination service's key-value store, not a device collective: it never waits behind programs
+  still running on the devices (an async loop agrees on a batch's length while the previous update runs). The
+  keys of the exchange two back are deleted: every process has read them by then (this process read every key
+  of the last exchange, which each process wrote only after reading all of the one before).
+  """
+  global _exchange_count
+  if jax.process_count() == 1:
+    return int(value)
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top  (as in `sync`)
+  client = jax_distributed.global_state.client
+  _exchange_count += 1
+  me = jax.process_index()
+  client.key_value_set(f'sao_jax/max/{_exchange_count}/{name}/{me}', str(int(value)))
+  got = [int(client.blocking_key_value_get(f'sao_jax/max/{_exchange_count}/{name}/{i}', int(timeout_s * 1000)))
+         for i in range(jax.process_count())]
+  if _exchange_count > 2:
+    client.key_value_delete(f'sao_jax/max/{_exchange_count - 2}')  # The key's directory: every process's.
+  return max(got)
 
 
 def is_main_process() -> bool:

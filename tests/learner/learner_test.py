@@ -104,6 +104,25 @@ class ShardedMatchesSingleDeviceTest(parameterized.TestCase):
     self.assertGreater(metrics[1]['policy/grad_norm'], 0.0)
 
 
+class CompileAheadTest(absltest.TestCase):
+
+  def test_compiled_update_is_used_and_matches_the_jitted_one(self):
+    _, snaps, metrics = _runs('sao', (1, 1))  # The reference: the jitted update, compiled at its first call.
+    learner = Learner(H.config('sao', **SAO_OVERRIDES), policy=_policy(), mesh=H.mesh(1, 1), model_config=H.MODEL)
+    learner.compile_update(H.B, (H.T,))
+
+    def no_compile(*args):
+      raise AssertionError(f'the jitted update ran (it would compile) for a batch of {args[1].tokens.shape}')
+
+    learner._step_fn = no_compile  # pylint: disable=protected-access
+    for i in range(2):
+      m = learner.update(H.batch(i, pad_rows=1))
+      _assert_trees_close(self, _snapshot(learner)['policy'], snaps[i + 1]['policy'], atol=0, rtol=0)
+      self.assertEqual(_comparable_metrics(m), _comparable_metrics(metrics[i]))
+    with self.assertRaisesRegex(AssertionError, r'the jitted update ran .* \(8, 24\)'):
+      learner.update(H.batch(0, length=24))  # A length not compiled ahead falls back to jit.
+
+
 class SaoStructureTest(absltest.TestCase):
 
   def test_critic_warmup_and_k_critic_updates(self):

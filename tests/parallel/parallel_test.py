@@ -1,5 +1,10 @@
 """Tests for sao_jax.parallel: mesh sizes, logical rules -> shardings, batch layout, layout errors."""
 
+import json
+import os
+import sys
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from configs import base
 from sao_jax import parallel
 from sao_jax.errors import ConfigError
+from tests import multiprocess
 
 
 class _Toy(nnx.Module):
@@ -169,6 +175,18 @@ class ShardingTest(parameterized.TestCase):
     with self.assertRaisesRegex(ConfigError, 'process_id=3'):
       parallel.initialize(c.distributed)
 
+  def test_handshake_sums_over_every_group_of_the_mesh(self):
+    # data 2 x fsdp 4 x tensor 1: the groups of {data} (2 devices), {fsdp} (4) and {data, fsdp} (8); tensor has
+    # no group. Each sum of ones counts its group's devices: a missing or wrong collective shows.
+    mesh = parallel.make_mesh(dict(data=2, fsdp=4, tensor=1))
+    compiled, x = parallel.handshake_program(mesh)
+    sums = [np.asarray(parallel.to_host(s)) for s in compiled(x)]
+    np.testing.assert_array_equal(np.stack(sums), np.array([[2] * 8, [4] * 8, [8] * 8]))
+    self.assertIs(parallel.handshake_program(mesh)[0], compiled)  # Compiled once per mesh.
+    self.assertIsNone(parallel.handshake_program(parallel.make_mesh(dict(data=1, fsdp=1, tensor=1),
+                                                                    devices=jax.devices()[:1])))
+    parallel.sync('one process', meshes=(mesh,))  # One process: returns at once.
+
   @parameterized.parameters(
       (dict(num_processes=0), 'num_processes=0'),
       (dict(num_processes=2, process_id=2, coordinator_address='h:1'), r'process_id=2: must be in \[0, 2\)|'
@@ -187,5 +205,38 @@ class ShardingTest(parameterized.TestCase):
       parallel.initialize(c.distributed)
 
 
+# Each process's values for `process_max`, in call order; the test expects their element-wise maxima.
+_VALUES = ([3, 10, 7, 0], [5, 2, 7, 1])
+
+
+class TwoProcessTest(absltest.TestCase):
+
+  def test_sync_with_handshake_and_process_max(self):
+    out = tempfile.mkdtemp()
+    multiprocess.run_two_processes(self, 'tests.parallel.parallel_test worker', out, timeout_s=300)
+    for pid in range(2):
+      with open(os.path.join(out, f'report{pid}.json')) as f:
+        self.assertEqual(json.load(f), {'maxima': [5, 10, 7, 1], 'keys_left': [0, 0, 2, 2],
+                                         'handshake_sums': [4, 4]})
+
+
+def _mp_worker(port: str, process_id: str, out: str) -> None:
+  pid = int(process_id)
+  jax.distributed.initialize(f'127.0.0.1:{port}', num_processes=2, process_id=pid, initialization_timeout=120)
+  mesh = parallel.make_mesh(dict(data=1, fsdp=-1, tensor=1))  # 2 devices per process: one group of 4.
+  parallel.sync('test', meshes=(mesh,))
+  compiled, x = parallel.handshake_program(mesh)
+  sums = [int(np.asarray(shard.data)[0]) for shard in compiled(x)[0].addressable_shards]  # This process's 2.
+  maxima = [parallel.process_max('value', v) for v in _VALUES[pid]]  # The 3rd and 4th delete exchanges 1, 2.
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+  keys = [len(jax_distributed.global_state.client.key_value_dir_get(f'sao_jax/max/{k}')) for k in range(1, 5)]
+  with open(os.path.join(out, f'report{pid}.json'), 'w') as f:
+    json.dump({'maxima': maxima, 'keys_left': keys, 'handshake_sums': sums}, f)
+  jax.distributed.shutdown()
+
+
 if __name__ == '__main__':
-  absltest.main()
+  if len(sys.argv) == 5 and sys.argv[1] == 'worker':
+    _mp_worker(*sys.argv[2:5])
+  else:
+    absltest.main()
