@@ -6,9 +6,13 @@ import os
 import shutil
 import tempfile
 
+from tests import multiprocess  # No jax: safe before XLA_FLAGS is set.
+
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
+# The suite is compile-bound (tiny models, many programs): its processes compile fast (multiprocess.FAST_COMPILE).
+os.environ['XLA_FLAGS'] = ' '.join((os.environ['XLA_FLAGS'], *multiprocess.fast_compile_flags()))
 
 # Every temporary file of the suite (tempfile.mkdtemp, absltest's create_tempdir, subprocesses through TMPDIR)
 # goes under one directory per test process, removed when the process's session ends: tests leave nothing in

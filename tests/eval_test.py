@@ -21,6 +21,7 @@ from sao_jax import checkpoint
 from sao_jax import eval as eval_lib
 from sao_jax import rollout
 from sao_jax.envs import answers
+from tests import multiprocess
 from sao_jax.envs import arith_words
 from sao_jax.envs import evaluation
 from sao_jax.envs import registry
@@ -239,7 +240,7 @@ class EndToEndTest(absltest.TestCase):
       ckpt.save(checkpoint.CheckpointState(step=3, policy=nnx.state(model),
                                            metadata=checkpoint.policy_metadata(cfg)))
     out = os.path.join(tmp, 'res.jsonl')
-    env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='')
+    env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=multiprocess.child_xla_flags(1))
     cmd = [sys.executable, '-m', 'sao_jax.eval', '--config=configs/arith.py', '--limit=2', '--num_samples=2',
            '--batch_size=4', f'--output={out}', '--config.sampler.max_new_tokens=8']
     proc = subprocess.run(cmd + [f'--checkpoint={tmp}'], cwd=_ROOT, env=env, capture_output=True,
@@ -272,7 +273,7 @@ class EndToEndTest(absltest.TestCase):
       with open(path, 'w') as f:
         f.writelines(json.dumps(r) + '\n' for r in data)
     out = os.path.join(tmp, 'res.jsonl')
-    env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='')
+    env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=multiprocess.child_xla_flags(1))
     cmd = [sys.executable, '-m', 'sao_jax.eval', '--config=configs/smollm2_arith.py', f'--checkpoint={tmp}',
            '--config.model.name=tiny', '--config.model.hf_dir=', '--config.model.tokenizer=char',
            '--config.sampler.max_new_tokens=4', '--batch_size=4', f'--output={out}']

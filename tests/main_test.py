@@ -8,13 +8,14 @@ import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
+from tests import multiprocess
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _main(*args: str, devices: int = 1) -> subprocess.CompletedProcess:
-  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=multiprocess.child_xla_flags(devices))
   return subprocess.run([sys.executable, '-m', 'sao_jax.main', *args], cwd=_ROOT, env=env,
                         capture_output=True, text=True, timeout=120, check=False)
 

@@ -40,20 +40,33 @@ class Process:
       return f.read()[-chars:]
 
 
-# XLA flags that make CPU compiles about 2.5x cheaper (LLVM at -O0, no fusion emitters; the learner update of the
-# 2-process trainer test: 9 s of CPU instead of 26 s) for programs whose speed and last bits do not matter.
-FAST_COMPILE = ('--xla_backend_optimization_level=0', '--xla_cpu_use_fusion_emitters=false')
+# XLA flags that make CPU compiles cheaper, for programs whose speed and last bits do not matter (the suite's
+# tiny models): LLVM at -O0 without its expensive passes, no new fusion emitters. The HLO passes are the same;
+# only the machine code is less optimised. The 2-process trainer test's learner update: 9 s of CPU instead of 26.
+# Every test process uses them (tests/conftest.py) and so do the children tests start (`child_xla_flags`);
+# SAO_TEST_XLA_FAST=0 turns them off.
+FAST_COMPILE = ('--xla_backend_optimization_level=0', '--xla_llvm_disable_expensive_passes=true',
+                '--xla_cpu_use_fusion_emitters=false')
+
+
+def fast_compile_flags() -> tuple[str, ...]:
+  """`FAST_COMPILE`, or nothing under SAO_TEST_XLA_FAST=0."""
+  return () if os.environ.get('SAO_TEST_XLA_FAST', '1') == '0' else FAST_COMPILE
+
+
+def child_xla_flags(devices: int) -> str:
+  """XLA_FLAGS of a child process of a test: `devices` simulated CPU devices, compiled fast."""
+  return ' '.join([f'--xla_force_host_platform_device_count={devices}', *fast_compile_flags()])
 
 
 def env(devices_per_process: int, cache_dir: str | None = None, xla_flags: Sequence[str] = ()) -> dict[str, str]:
-  """The children's environment: CPU, `devices_per_process` simulated devices (and `xla_flags`, e.g.
-  `FAST_COMPILE`), this checkout on the path; a persistent compilation cache in `cache_dir` (process 0 writes it;
+  """The children's environment: CPU, `devices_per_process` simulated devices (`child_xla_flags`, and
+  `xla_flags`), this checkout on the path; a persistent compilation cache in `cache_dir` (process 0 writes it;
   later launches read it: it serves process 0 only, the others' cache keys differ; a resumed 2-process trainer
   run whose process 0 loaded its sharded update while process 1 compiled it hung, see docs/design.md), else
   none: not the suite's shared one (tests/conftest.py), whose entries written by other tests mid-run could let
   one process load a program the other compiles."""
-  out = dict(os.environ, XLA_FLAGS=' '.join([f'--xla_force_host_platform_device_count={devices_per_process}',
-                                             *xla_flags]),
+  out = dict(os.environ, XLA_FLAGS=' '.join([child_xla_flags(devices_per_process), *xla_flags]),
              JAX_PLATFORMS='cpu', PYTHONPATH=ROOT, PYTHONFAULTHANDLER='1')
   out.pop('JAX_COMPILATION_CACHE_DIR', None)
   if cache_dir:

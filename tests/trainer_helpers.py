@@ -8,6 +8,7 @@ from typing import Any
 
 from configs import _tiny
 from sao_jax import config_lib
+from tests import multiprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,8 +29,7 @@ def subprocess_env(devices: int = 1) -> dict[str, str]:
   """Environment of a child run: CPU with `devices` simulated devices; it inherits the suite's persistent
   compilation cache (tests/conftest.py), so a program compiled by any process of the run is loaded, not
   compiled again."""
-  return dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
-              PYTHONPATH=ROOT)
+  return dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=multiprocess.child_xla_flags(devices), PYTHONPATH=ROOT)
 
 
 def main_command(config_file: str, workdir: str, overrides: dict[str, Any]) -> list[str]:

@@ -65,16 +65,14 @@ class MultiHostTest(absltest.TestCase):
     workdir = os.path.join(out, 'work')
 
     # Launch 1: steps 1-2, checkpoint 2 (the last step).
-    first = multiprocess.start(command(workdir, 2), out, devices_per_process=4,
-                               xla_flags=multiprocess.FAST_COMPILE, name='first')
+    first = multiprocess.start(command(workdir, 2), out, devices_per_process=4, name='first')
     multiprocess.wait(self, first, timeout_s=TIMEOUT_S)
     self.assertEqual(steps_written(workdir), [1, 2])
     self.assertEqual([s['taken'] for s in data_at(workdir, 2)], [2 * ROWS] * 2)
 
     # Launch 2: the same command with more steps resumes at 2; once step 3 is written, SIGTERM reaches process 1
     # only: both processes stop at the same step N, save it and exit 0.
-    second = multiprocess.start(command(workdir, 1000), out, devices_per_process=4,
-                                xla_flags=multiprocess.FAST_COMPILE, name='second')
+    second = multiprocess.start(command(workdir, 1000), out, devices_per_process=4, name='second')
     deadline = time.monotonic() + TIMEOUT_S
     while max(steps_written(workdir), default=0) < 3:
       if time.monotonic() > deadline or any(p.popen.poll() is not None for p in second):
