@@ -40,13 +40,13 @@ class Process:
       return f.read()[-chars:]
 
 
-# XLA flags that make CPU compiles cheaper, for programs whose speed and last bits do not matter (the suite's
-# tiny models): LLVM at -O0 without its expensive passes, no new fusion emitters. The HLO passes are the same;
-# only the machine code is less optimised. The 2-process trainer test's learner update: 9 s of CPU instead of 26.
-# Every test process uses them (tests/conftest.py) and so do the children tests start (`child_xla_flags`);
-# SAO_TEST_XLA_FAST=0 turns them off.
-FAST_COMPILE = ('--xla_backend_optimization_level=0', '--xla_llvm_disable_expensive_passes=true',
-                '--xla_cpu_use_fusion_emitters=false')
+# XLA flags that make CPU compiles cheaper, for programs whose speed does not matter (the suite's tiny models):
+# LLVM at -O0 without its expensive passes. The HLO passes are the same, only the machine code is less optimised;
+# measured on the tiny SAO learner update (8 x 64 tokens): 10 s of compile -> 5.9 s. Every test process uses them
+# (tests/conftest.py) and so do the children tests start (`child_xla_flags`); SAO_TEST_XLA_FAST=0 turns them off.
+# Adding --xla_cpu_use_fusion_emitters=false compiles faster still (3.5 s) but changes float32 rounding between
+# programs beyond the suite's tolerances (the vmapped GAE scan vs the unbatched one: 1.3e-6 at atol 1e-6).
+FAST_COMPILE = ('--xla_backend_optimization_level=0', '--xla_llvm_disable_expensive_passes=true')
 
 
 def fast_compile_flags() -> tuple[str, ...]:
