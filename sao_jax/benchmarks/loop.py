@@ -246,9 +246,11 @@ def run_benchmark(*, quick: bool = False, settings=SETTINGS, rounds: int = 2, th
   if probe_calls:
     t0 = time.perf_counter()
     prb = probe(bench_config('sync', **kw), probe_calls)
-    print(f"probe ({time.perf_counter() - t0:.0f} s): {prb['gen_calls']} generation calls, decode "
-          f"{prb['tokens_per_s']:.0f} steps/s of {prb['rows']} rows + {prb['turn_overhead_s'] * 1e3:.0f} ms per "
-          f"call; {np.mean(prb['gen_tokens']):.1f} tokens per turn (max {max(prb['gen_tokens'])}), "
+    decode = (f"{prb['tokens_per_s']:.0f} steps/s" if prb['tokens_per_s'] < 1e12 else
+              'no per-step cost resolved (call times do not grow with the longest row)')
+    print(f"probe ({time.perf_counter() - t0:.0f} s): {prb['gen_calls']} generation calls, decode {decode} of "
+          f"{prb['rows']} rows + {prb['turn_overhead_s'] * 1e3:.0f} ms per call; "
+          f"{np.mean(prb['gen_tokens']):.1f} tokens per turn (max {max(prb['gen_tokens'])}), "
           f"{np.mean(prb['turns']):.2f} turns per episode, tool {np.mean(prb['tool_latency_s']) * 1e3:.0f} ms mean; "
           f"gen {prb['generate_s']:.2f} s per trajectory; host {prb['call_overhead_s'] * 1e3:.0f} ms per call")
   results: dict[str, list[dict]] = {s: [] for s in settings}
