@@ -29,13 +29,3 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   os.environ.update(JAX_COMPILATION_CACHE_DIR=os.path.join(_TMP, 'jax_compilation_cache'),
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0',
                     JAX_COMPILATION_CACHE_MAX_SIZE=str(8 << 30))
-
-# The longest test first: every config trained 2 steps in one child process, ~7 minutes of one worker. Collected
-# in alphabetical order it starts among the last tests and can run alone at the end while the other worker idles.
-# (pytest-xdist's load scheduling gives each worker a contiguous first chunk of the collection, so only this one
-# test moves: several long tests at the front would all land on one worker.)
-FIRST = 'tests/trainer_configs_test.py'
-
-
-def pytest_collection_modifyitems(items):
-  items.sort(key=lambda item: item.nodeid.split('::')[0] != FIRST)  # Stable: the rest keep their order.
