@@ -46,10 +46,16 @@ def check_config(config: Any) -> None:
   check_optim(o)
   if o.schedule == 'cosine' and not int(o.total_steps):
     for who, updates in zip(('policy', 'critic'), optimizer_horizons(config)):
-      if updates and updates <= int(o.warmup_steps):
-        raise ConfigError(f'config.optim.total_steps=0: the {who} makes {updates} optimizer updates in the run '
-                          f'(trainer.num_steps={config.trainer.num_steps}), not more than '
-                          f'config.optim.warmup_steps={o.warmup_steps}; the cosine schedule needs a decay phase.')
+      if updates:
+        _check_run_horizon(o, updates, f'the {who}', f' (trainer.num_steps={config.trainer.num_steps})')
+
+
+def _check_run_horizon(o: Any, updates: int, who: str, detail: str = '') -> None:
+  """A cosine schedule over the whole run (`total_steps = 0`) needs more updates than its warmup."""
+  if updates <= int(o.warmup_steps):
+    raise ConfigError(f'config.optim.total_steps=0: {who} makes {updates} optimizer updates in the run{detail}, not '
+                      f'more than config.optim.warmup_steps={o.warmup_steps}; the cosine schedule needs a decay '
+                      'phase.')
 
 
 def optimizer_horizons(config: Any) -> tuple[int, int]:
@@ -94,9 +100,8 @@ def make_schedule(optim_config: Any, peak_lr: float, run_steps: int | None = Non
     if not horizon:
       raise ConfigError('config.optim.total_steps=0 (the run\'s length) needs the run\'s optimizer updates: '
                         'set config.optim.total_steps, or build the optimizer through the Learner.')
-    if horizon <= warmup:
-      raise ConfigError(f'config.optim.total_steps=0: the run makes {horizon} optimizer updates, not more than '
-                        f'config.optim.warmup_steps={warmup}; the cosine schedule needs a decay phase.')
+    if not int(o.total_steps):
+      _check_run_horizon(o, horizon, 'this optimizer')
     after = optax.cosine_decay_schedule(peak_lr, horizon - warmup, alpha=float(o.end_lr_factor))
   if warmup <= 0:
     return after
