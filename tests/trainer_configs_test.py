@@ -18,6 +18,7 @@ import traceback
 
 from absl.testing import absltest
 
+from sao_jax import config_lib
 from tests import trainer_helpers
 
 CONFIG_DIR = os.path.join(trainer_helpers.ROOT, 'configs')
@@ -45,7 +46,7 @@ def _worker(out_path: str, names: list[str] | None = None) -> None:
     t0, c0 = time.perf_counter(), time.process_time()
     try:
       config = importlib.import_module(f'configs.{name}').get_config()
-      trainer_helpers.apply(config, {**trainer_helpers.TINY, **EXTRA.get(name, {}), 'workdir': workdir,
+      config_lib.override(config, {**trainer_helpers.TINY, **EXTRA.get(name, {}), 'workdir': workdir,
                                      'trainer.mode': 'sync'})
       summary = trainer.run(config)
       rows = metrics.read_metrics(workdir)

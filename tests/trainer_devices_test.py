@@ -14,6 +14,7 @@ from sao_jax import parallel
 from sao_jax import trainer
 from sao_jax.errors import ConfigError
 from sao_jax.rollout import actor as actor_lib
+from sao_jax import config_lib
 from tests import trainer_helpers
 
 
@@ -55,7 +56,7 @@ class DevicesTest(absltest.TestCase):
   def test_actors_on_two_devices_learner_on_six_trains(self):
     workdir = tempfile.mkdtemp()
     config = arith.get_config()
-    trainer_helpers.apply(config, {**trainer_helpers.TINY, 'workdir': workdir, 'mesh.actor_devices': 2,
+    config_lib.override(config, {**trainer_helpers.TINY, 'workdir': workdir, 'mesh.actor_devices': 2,
                                    'trainer.batch_size': 6, 'trainer.mode': 'async'})
     with self.assertLogs('absl', level='INFO') as logs:
       summary = trainer.run(config)

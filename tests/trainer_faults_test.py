@@ -18,6 +18,7 @@ from sao_jax.envs import registry
 from sao_jax.envs import verifier as verifier_lib
 from sao_jax.tokenizers import CharTokenizer
 from configs import base as base_config
+from sao_jax import config_lib
 from tests import trainer_helpers
 
 BATCH = 8  # Rows of a learner step = episodes of one actor call.
@@ -134,7 +135,7 @@ class FaultsTest(absltest.TestCase):
   def test_failures_are_counted_and_stale_work_is_dropped(self):
     SHARED.workdir = workdir = tempfile.mkdtemp()
     config = base_config.get_config()
-    trainer_helpers.apply(config, {
+    config_lib.override(config, {
         **trainer_helpers.TINY, 'workdir': workdir, 'task.name': 'faulty_test', 'task.eval_size': 0,
         'trainer.mode': 'async', 'sampler.num_threads': 2, 'sampler.max_new_tokens': 16,
         'trainer.num_steps': 4, 'trainer.max_staleness': MAX_STALENESS, 'trainer.weight_switch': 'episode'})

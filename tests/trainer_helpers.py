@@ -15,16 +15,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = _tiny.TINY  # configs/_tiny.py: one tiny override for every config.
 
 
-def apply(config, overrides: dict[str, Any]):
-  """Sets `config.<path> = value` for each item (`config_lib.override`); returns the config."""
-  return config_lib.override(config, overrides)
-
-
-def flags(overrides: dict[str, Any]) -> list[str]:
-  """The same overrides as `--config.<path>=value` command-line flags (`config_lib.override_flags`)."""
-  return config_lib.override_flags(overrides)
-
-
 def subprocess_env(devices: int = 1) -> dict[str, str]:
   """Environment of a child run: CPU with `devices` simulated devices; it inherits the suite's persistent
   compilation cache (tests/conftest.py), so a program compiled by any process of the run is loaded, not
@@ -34,7 +24,7 @@ def subprocess_env(devices: int = 1) -> dict[str, str]:
 
 def main_command(config_file: str, workdir: str, overrides: dict[str, Any]) -> list[str]:
   return [sys.executable, '-m', 'sao_jax.main', f'--config={config_file}', f'--workdir={workdir}',
-          *flags(overrides)]
+          *config_lib.override_flags(overrides)]
 
 
 def popen_main(config_file: str, workdir: str, overrides: dict[str, Any], *, env: dict[str, str], log: str

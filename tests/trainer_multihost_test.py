@@ -32,6 +32,7 @@ from sao_jax import metrics
 from sao_jax import models
 from sao_jax import trainer
 from tests import multiprocess
+from sao_jax import config_lib
 from tests import trainer_helpers
 
 CONFIG = 'configs/arith.py'
@@ -120,7 +121,7 @@ class SignalTest(absltest.TestCase):
       os.kill(os.getpid(), signal.SIGTERM)  # Handled at the next bytecode, in this (the main) thread.
       raise _Built()
 
-    config = trainer_helpers.apply(arith.get_config(), {**trainer_helpers.TINY, 'workdir': tempfile.mkdtemp()})
+    config = config_lib.override(arith.get_config(), {**trainer_helpers.TINY, 'workdir': tempfile.mkdtemp()})
     old = signal.signal(signal.SIGTERM, swallow)
     try:
       with mock.patch.object(models, 'build', build), self.assertLogs(level='WARNING') as logs, \
