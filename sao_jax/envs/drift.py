@@ -188,6 +188,12 @@ class DriftTask(base.Task):
     phase = int(example.data.get('phase', self.current_phase))
     return DriftEnv(example, self._phase_opts[phase], phase)
 
+  def solution(self, example: base.Example) -> str:
+    """The reference reply under the rule of the example's phase (the warm start's target): arith's
+    `render_solution` with that phase's options (answer format, scratchpad)."""
+    opts = self._phase_opts[int(example.data.get('phase', self.current_phase))]
+    return arith.render_solution(example.data['expression'], example.answer, opts)
+
   def metrics(self) -> dict[str, float]:
     position = self.examples_drawn if self.opts.unit == 'examples' else self.step
     return {'drift/phase': float(self.current_phase),

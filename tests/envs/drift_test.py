@@ -58,6 +58,19 @@ class DriftTest(parameterized.TestCase):
       env.reset()
       self.assertEqual(env.step(answers.render(ex.answer, other)).reward, 0.0)
 
+  def test_solution_follows_the_rule_of_the_example_phase(self):
+    # The warm start's reference replies: each example's own phase rule, whatever phase the task is in now.
+    task = _drift(period=1, scratchpad='reversed', answer_format='hash',
+                  phases=('ops=+', 'ops=+,answer_format=boxed'))
+    it = task.train_iterator(0)
+    ex0, ex1 = next(it), next(it)
+    self.assertEqual((ex0.data['phase'], ex1.data['phase'], task.current_phase), (0, 1, 1))
+    for ex, final in ((ex0, f'#### {ex0.answer}'), (ex1, f'\\boxed{{{ex1.answer}}}')):
+      self.assertEqual(task.solution(ex), f'{ex.answer[::-1]}\n{final}')  # Sums of 1-2 digits: non-negative.
+      env = task.make_env(ex)
+      env.reset()
+      self.assertEqual(env.step(task.solution(ex)).reward, 1.0)
+
   def test_hidden_format_phase(self):
     task = _drift(period=1, phases=('answer_format=tag', 'answer_format=hash,instruct_format=False'))
     it = task.train_iterator(0)
