@@ -143,6 +143,7 @@ def _override(base: SimConfig, over: dict[str, Any]) -> SimConfig:
 
 
 def _rel_error(p: float, m: float) -> float:
+  """(p - m) / |m|; 0 or inf at m = 0."""
   if m == 0:
     return 0.0 if p == 0 else math.inf
   return (p - m) / abs(m)
