@@ -1,6 +1,7 @@
 r"""The actor-learner loop on an agentic-like workload: trained trajectories/s, learner idle, staleness.
 
   python -m sao_jax.benchmarks.loop [--rounds=2 --num_steps=12 --skip=3 --threads=4 --json=m.json] [--quick]
+  python -m sao_jax.benchmarks.loop --continuous --threads=1 --slots=32 [--decode_steps=16 ...]
 
 Runs the real trainer (`sao_jax.trainer.run`) on the tiny model with the `latency` task (sao_jax/envs/latency.py):
 multi-turn episodes whose tool calls sleep a clipped log-normal time (median 150 ms, sigma 0.8, in [20, 500] ms),
@@ -10,6 +11,13 @@ letters under the random policy (geometric, mean ~10 tokens, cut at 64). Setting
   sync       trainer.mode=sync: the loop plays the batch (calls of `sampler.batch_size` rows), then updates;
   async      trainer.mode=async with `--threads` actor threads;
   grpo       async, algo.name=grpo with G=8 (one group per sampler call), the same trajectories per step.
+
+With `--continuous` the async settings' actors play through continuous batching (`sampler.continuous`,
+`sao_jax.rollout.continuous`): each of the `--threads` actors keeps `--slots` episodes in flight, a new prompt
+(GRPO: a whole group of G) entering as soon as slots free up, and the queue bounds `threads * slots + batch`
+trajectories in flight or queued (as `threads * call_rows + batch` for static calls). Sync mode keeps its static
+calls (the baseline). A static call of 8 rows waits, turn by turn, for its slowest row and its slowest tool
+call; a slot waits only for its own episode's.
 
 They run interleaved (sync, async, grpo, sync, async, grpo, ...) `--rounds` times. Each run's figures come from
 WORKDIR/metrics.jsonl with the first `--skip` steps left out (compile and warm-up, reported apart):
