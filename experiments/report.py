@@ -5,7 +5,8 @@
 * `curves.csv`: one line per (arm, seed, metrics row): step, trajectories, wall_s (`time/wall_s`: the run's
   seconds, summed over resumes), eval_accuracy (empty where no eval ran), reward_mean and the experiment's panels.
 * `summary.md`: per arm, over its finished seeds: accuracy at step 0 and at the end (mean, sample std, min-max),
-  the best eval, steps, trajectories and wall time; for drift runs, steps to recover after each shift.
+  the best eval, steps, trajectories and wall time; for drift runs, steps to recover after each shift and a
+  table per phase (accuracy at the shift, at the phase's end, the phase's mean).
 * `<experiment>.png`: held-out accuracy against trajectories and against wall time (a thin line per seed, the
   seeds' mean thick), and each panel metric against the learner step.
 
@@ -80,6 +81,63 @@ def recovery_steps(rows: Sequence[dict[str, Any]], key: str = 'drift/phase') -> 
   return out
 
 
+def phase_segments(rows: Sequence[dict[str, Any]], key: str = 'drift/phase') -> list[dict[str, Any]]:
+  """The run cut into its phases (maximal runs of rows with one value of `key`), each with the held-out evals
+  inside it: {'phase', 'first_step', 'last_step', 'at_shift' (the first eval: the policy trained on the phase
+  before, scored on this phase's held-out set), 'end' (the last eval), 'mean' (of its evals)}; a segment without
+  evals has None for the three. Rows before the first that has `key` (step 0: the trainer logs the phase from
+  the first learner step on) belong to the first phase. The row of a step ending at a shift already has the new
+  phase (the task moves on after the update), so its eval is the new phase's at the shift; at the run's last step
+  that makes a one-row segment: the trained policy on the next phase's set."""
+  out: list[dict[str, Any]] = []
+  lead = []  # Rows before the first with the key (step 0's eval, before any learner step): the first phase's.
+  for r in rows:
+    if r.get(key) is None:
+      if not out:
+        lead.append(r)
+      continue
+    if not out:
+      out.append({'phase': r[key], 'first_step': (lead or [r])[0]['step'], 'evals': []})
+      for x in lead:
+        if x.get('eval_accuracy') is not None:
+          out[-1]['evals'].append(float(x['eval_accuracy']))
+    elif out[-1]['phase'] != r[key]:
+      out.append({'phase': r[key], 'first_step': r['step'], 'evals': []})
+    out[-1]['last_step'] = r['step']
+    if r.get('eval_accuracy') is not None:
+      out[-1]['evals'].append(float(r['eval_accuracy']))
+  for seg in out:
+    evals = seg.pop('evals')
+    seg.update(at_shift=evals[0] if evals else None, end=evals[-1] if evals else None,
+               mean=float(np.mean(evals)) if evals else None)
+  return out
+
+
+def _phase_table(exp: specs.Experiment, runs: Sequence[dict[str, Any]]) -> list[str]:
+  """Per phase segment and arm: held-out accuracy at the shift -> at the end of the phase, and the phase's mean
+  (means over finished seeds)."""
+  per_arm = {a.name: [phase_segments(r['rows']) for r in runs if r['arm'] == a.name and r['done']]
+             for a in exp.arms}
+  per_arm = {a: segs for a, segs in per_arm.items() if segs}
+  if not per_arm:
+    return []
+  n = min(len(s) for segs in per_arm.values() for s in segs)
+  lines = ['', 'Per phase (held-out accuracy on the phase\'s own set, mean over seeds): at the shift -> at the end '
+           'of the phase (mean over the phase).', '',
+           '| phase (steps) | ' + ' | '.join(per_arm) + ' |', '|---|' + '---|' * len(per_arm)]
+
+  def mean(segs, i, k):
+    v = [s[i][k] for s in segs if s[i][k] is not None]
+    return f'{np.mean(v):.3f}' if v else '—'
+
+  for i in range(n):
+    first = next(iter(per_arm.values()))[0][i]
+    cells = [f'{mean(segs, i, "at_shift")} -> {mean(segs, i, "end")} ({mean(segs, i, "mean")})'
+             for segs in per_arm.values()]
+    lines.append(f'| {first["phase"]:g} ({first["first_step"]}-{first["last_step"]}) | ' + ' | '.join(cells) + ' |')
+  return lines
+
+
 def _stats(values: Sequence[float]) -> str:
   if not values:
     return '—'
@@ -119,6 +177,7 @@ def summary_table(exp: specs.Experiment, runs: Sequence[dict[str, Any]]) -> str:
     for arm, per_seed in recoveries.items():
       text = '; '.join(', '.join('—' if s is None else str(s) for s in seed) or 'no shift' for seed in per_seed)
       lines.append(f'- {arm}: {text}')
+    lines += _phase_table(exp, runs)
   return '\n'.join(lines) + '\n'
 
 

@@ -18,7 +18,8 @@ actors -> loop -> final eval and save. The pieces (docs/design.md, Data flow):
   update; the policy version is the learner step; the new weights are published after every update. In async
   mode the next batch is drawn, packed and placed on the learner's batch sharding while the update runs
   (`trainer.prefetch`); `learner/wait_fraction` is the share of time no update was running (from when each
-  update finished to the next dispatch);
+  update finished to the next dispatch) and `learner/busy_s` the rest of the step's time (`perf/step_time_s`,
+  dispatch to dispatch);
 - episodes whose env or verifier failed or timed out are logged with their prompt, dropped and counted
   (`failed/env_error`, `failed/env_timeout`);
 - several processes (`parallel.initialize` before `run`): every process runs the same loop, its actors on its
@@ -507,7 +508,8 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
       parallel.sync('step')  # After each process's own draw (the first one compiles its samplers).
       actor_tokens.add(sum(a.generated_tokens for a in actors()) - actor_tokens.total)
       t_dispatch = time.perf_counter()
-      idle = max(0.0, t_dispatch - last_done) / max(t_dispatch - last_dispatch, 1e-9)
+      idle_s = max(0.0, t_dispatch - last_done)  # No update ran since the previous one finished.
+      idle = idle_s / max(t_dispatch - last_dispatch, 1e-9)
       pending = learner.dispatch(packed.batch)
       done_clock.watch(pending[2:])  # The step's metrics and counters (ready when it has run).
       step += 1  # The policy version once this update lands (host-side: reading the device step would block).
@@ -534,7 +536,9 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
           'learner/tokens_per_s': learner_metrics.get('perf/tokens_per_s'),
           'actor/tokens_per_s': actor_tokens.rate(),
           'learner/version': step,
-          **timing, 'learner/busy_s': dt - wait_s,
+          # The rest of the step's time: the previous update ran (dispatch to done). Not dt - wait_s: with prefetch
+          # the queue wait overlaps the update, and that difference is only the host's own time.
+          **timing, 'learner/busy_s': dt - idle_s,
           **task.metrics(),  # E.g. drift/phase.
       }
       if tr.eval_every and (step % int(tr.eval_every) == 0 or step == int(tr.num_steps)):

@@ -79,6 +79,16 @@ class ReportTest(absltest.TestCase):
     # Shift 0->1 after step 2 (level 0.6): back at step 6 (0.7) -> 4 steps. Shift 1->2 after step 6 (level
     # 0.7): never back -> None.
     self.assertEqual(report.recovery_steps(rows), [4, None])
+    # Phases: steps 0-2 (evals 0.2, 0.6), 3-6 (0.3, 0.5, 0.7), 7-8 (0.1): the first eval of a phase is its
+    # accuracy at the shift, the last its end.
+    self.assertEqual([(s['phase'], s['first_step'], s['last_step'], s['at_shift'], s['end'])
+                      for s in report.phase_segments(rows)],
+                     [(0, 0, 2, 0.2, 0.6), (1, 3, 6, 0.3, 0.7), (2, 7, 8, 0.1, 0.1)])
+    # A leading row without the phase (step 0's eval, logged before the first update) is the first phase's.
+    segs = report.phase_segments([{'step': -1, 'eval_accuracy': 0.0}, *rows])
+    self.assertEqual([(s['first_step'], s['at_shift'], s['end']) for s in segs],
+                     [(-1, 0.0, 0.6), (3, 0.3, 0.7), (7, 0.1, 0.1)])
+    self.assertSequenceAlmostEqual([s['mean'] for s in segs], [0.8 / 3, 0.5, 0.1])
 
 
 class QuickRunTest(absltest.TestCase):

@@ -95,6 +95,9 @@ class TrainerTest(absltest.TestCase):
     self.assertEqual([r['step'] for r in rows], [1, 2, 3])
     for r in rows:
       self.assertLessEqual(r['staleness/max'], 1.0)
+      # A step's time is idle or busy (with prefetch the queue wait overlaps the update: busy is not dt - wait).
+      self.assertAlmostEqual(r['learner/busy_s'], (1 - r['learner/wait_fraction']) * r['perf/step_time_s'],
+                             delta=1e-9)
 
 
 if __name__ == '__main__':

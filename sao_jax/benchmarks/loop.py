@@ -10,7 +10,8 @@ letters under the random policy (geometric, mean ~10 tokens, cut at 64). Setting
 
   sync       trainer.mode=sync: the loop plays the batch (calls of `sampler.batch_size` rows), then updates;
   async      trainer.mode=async with `--threads` actor threads;
-  grpo       async, algo.name=grpo with G=8 (one group per sampler call), the same trajectories per step.
+  grpo       async, algo.name=grpo with G=8 (one group per sampler call), the same trajectories per step;
+  sync_grpo  sync, GRPO as in grpo.
 
 With `--continuous` the async settings' actors play through continuous batching (`sampler.continuous`,
 `sao_jax.rollout.continuous`): each of the `--threads` actors keeps `--slots` episodes in flight, a new prompt
@@ -24,7 +25,8 @@ WORKDIR/metrics.jsonl with the first `--skip` steps left out (compile and warm-u
 
   trajectories/s = rows * n / sum(step_time_s),   learner idle = sum(wait_fraction * step_time_s) / sum(step_time_s)
 
-over the n measured steps (a step's time runs from the start of its batch draw to the end of its update).
+over the n measured steps (a step's time runs from one update's dispatch to the next's; its `learner/busy_s`,
+the calibration's learner step times, is the part of it in which an update ran, = step_time_s - the idle part).
 Before the runs a probe plays `--probe_calls` sampler calls of the same workload outside the trainer and times
 every generation call; with the runs' step times and generation times it gives `--json` (the measurements
 `python -m sao_jax.sim.calibrate --measurements=...` reads: see that module).
@@ -52,7 +54,8 @@ from sao_jax.envs import registry
 from sao_jax.models.sampling import SamplingParams
 from sao_jax.tokenizers import get_tokenizer
 
-SETTINGS = ('sync', 'async', 'grpo')
+SETTINGS = ('sync', 'async', 'grpo', 'sync_grpo')
+NAMES = {'sync': 'sync/sao', 'async': 'async/sao', 'grpo': 'async/grpo', 'sync_grpo': 'sync/grpo'}  # Calibration's.
 LETTERS = 'abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ'
 
 _QUICK = flags.DEFINE_bool('quick', False, 'A couple of steps on a tiny workload (the test suite runs this).')
@@ -100,7 +103,8 @@ def bench_config(setting: str, *, quick: bool = False, threads: int = 4, batch: 
   c.sampler.prompt_buckets = (64,)
   c.sampler.batch_size = call_rows
   c.sampler.num_threads = threads
-  c.trainer.mode = 'sync' if setting == 'sync' else 'async'
+  mode, algo = NAMES[setting].split('/')
+  c.trainer.mode = mode
   c.trainer.batch_size = batch
   c.trainer.seq_buckets = (384,)
   c.trainer.queue_size = threads * call_rows + batch  # Every thread can have a call in flight.
@@ -116,7 +120,7 @@ def bench_config(setting: str, *, quick: bool = False, threads: int = 4, batch: 
   c.trainer.eval_every = 0
   c.trainer.tensorboard = False
   c.trainer.log_every = 1000
-  if setting == 'grpo':
+  if algo == 'grpo':
     c.algo.name = 'grpo'
     c.algo.group_size = call_rows
   else:
@@ -287,7 +291,7 @@ def run_benchmark(*, quick: bool = False, settings=SETTINGS, rounds: int = 2, th
             f"{r['learner_idle_fraction']:.1%}, staleness {r['staleness_mean']:.2f} (load {r['load']})", flush=True)
   print(table(results))
   if 'sync' in results:
-    for s in [x for x in settings if x != 'sync']:
+    for s in [x for x in settings if NAMES[x].startswith('async')]:
       ratios = [a['trajectories_per_s'] / b['trajectories_per_s'] for a, b in zip(results[s], results['sync'])]
       idle = [a['learner_idle_fraction'] for a in results[s]]
       print(f"{s} / sync trajectories/s per round: {', '.join(f'{x:.2f}x' for x in ratios)}; {s} learner idle: "
@@ -319,7 +323,6 @@ def write_measurements(path: str, results: dict[str, list[dict]], prb: dict | No
   if prb is None:
     raise ValueError('--json needs the probe (--probe_calls > 0).')
   rows = call_rows
-  names = {'sync': 'sync/sao', 'async': 'async/sao', 'grpo': 'async/grpo'}
 
   def mean(s, key):
     return float(np.mean([r[key] for r in results[s]]))
@@ -327,13 +330,13 @@ def write_measurements(path: str, results: dict[str, list[dict]], prb: dict | No
   settings, measured = {}, {}
   for s, runs in results.items():
     busy = [x for r in runs for x in r['learner_busy_s']]
-    settings[names[s]] = {
-        'num_slots': 1 if s == 'sync' else threads,
+    settings[NAMES[s]] = {
+        'num_slots': 1 if NAMES[s].startswith('sync') else threads,
         'step_time_s': {'samples': busy, 'kind': 'lognormal'},
         # Generation under this setting's CPU load: the loop's generation seconds per trajectory over the probe's.
         'lockstep': {'slowdown': mean(s, 'generate_s_median') / prb['generate_s']},
     }
-    measured[names[s]] = {'trajectories_per_s': mean(s, 'trajectories_per_s'),
+    measured[NAMES[s]] = {'trajectories_per_s': mean(s, 'trajectories_per_s'),
                           'learner_idle_fraction': mean(s, 'learner_idle_fraction')}
   out = {
       'note': 'Measured by `python -m sao_jax.benchmarks.loop` on this machine (see the sim README).',

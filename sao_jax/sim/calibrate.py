@@ -3,8 +3,17 @@
 Takes what the loop benchmark measures on a machine (generation speed per slot, tool latencies, step time —
 numbers, distributions, or raw samples that `Dist.fit` turns into a distribution) and the figures it measured
 (trained trajectories/s, learner idle fraction), simulates the same loop in the four settings sync/async x
-SAO/GRPO, and prints the side-by-side table. A prediction is `within` when |predicted - measured| <=
-TOLERANCE * |measured| (the issue's 20%).
+SAO/GRPO, and prints the side-by-side table. A rate is `within` when |predicted - measured| <= TOLERANCE *
+|measured| (the issue's 20%). A fraction f (FRACTIONS: the learner idle fraction) is one measurement with two
+faces, f and its complement 1 - f (the learner's busy fraction), and a relative error of the larger one says
+little (idle 0.89 predicted as 0.87 is -2%, but the busy time 0.11 -> 0.13 is +18%): a fraction is `within`
+when both are, |p - m| <= TOLERANCE * min(m, 1 - m), and the table gives both errors.
+
+The learner idle fraction is the trainer's `learner/wait_fraction` (time-weighted over the measured steps): the
+share of the time between update dispatches in which no update ran. The simulator's is 1 - its learner
+utilisation (steps' durations over time), so the step time it is given must be the update's time, dispatch to
+done: the trainer's `learner/busy_s` (= step time x (1 - wait fraction)), whether or not the host waited on the
+queue while the update ran (async prefetch) — not the step time less the queue wait.
 
 The JSON file:
 
@@ -56,6 +65,7 @@ from sao_jax.sim.simulator import SimConfig
 
 SETTINGS = ('sync/sao', 'async/sao', 'sync/grpo', 'async/grpo')
 METRICS = ('trajectories_per_s', 'learner_idle_fraction')
+FRACTIONS = ('learner_idle_fraction',)  # Metrics in [0, 1]: compared on both faces (module docstring).
 TOLERANCE = 0.2
 
 _MEASUREMENTS = flags.DEFINE_string('measurements', None, 'JSON file of the measured loop (see module docstring).')
@@ -132,8 +142,16 @@ def _override(base: SimConfig, over: dict[str, Any]) -> SimConfig:
   return dataclasses.replace(base, **{k: getattr(parsed, k) for k in over})
 
 
+def _rel_error(p: float, m: float) -> float:
+  """(p - m) / |m|; 0 or inf at m = 0."""
+  if m == 0:
+    return 0.0 if p == 0 else math.inf
+  return (p - m) / abs(m)
+
+
 def compare(measurements: dict[str, Any]) -> list[dict[str, Any]]:
-  """One row per (setting, metric): predicted, measured (None if not given), rel_error, within."""
+  """One row per (setting, metric): predicted, measured (None if not given), rel_error, within; for FRACTIONS
+  also complement_rel_error, the relative error of 1 - the fraction (None otherwise)."""
   base = SimConfig.from_dict(measurements['config'])
   over = {k: float(measurements[k]) for k in ('duration_s', 'warmup_s') if k in measurements}
   base = dataclasses.replace(base, **over)
@@ -151,25 +169,31 @@ def compare(measurements: dict[str, Any]) -> list[dict[str, Any]]:
     for metric in METRICS:
       p = predicted[setting][metric]
       m = measured.get(setting, {}).get(metric)
-      if m is None:
-        rel = math.nan
-      elif m == 0:
-        rel = 0.0 if p == 0 else math.inf
-      else:
-        rel = (p - m) / abs(m)
-      rows.append({'setting': setting, 'metric': metric, 'predicted': p, 'measured': m, 'rel_error': rel,
-                   'within': None if m is None else abs(p - m) <= TOLERANCE * abs(m)})
+      fraction = metric in FRACTIONS
+      row = {'setting': setting, 'metric': metric, 'predicted': p, 'measured': m, 'rel_error': math.nan,
+             'complement_rel_error': math.nan if fraction else None, 'within': None}
+      if m is not None:
+        row['rel_error'] = _rel_error(p, m)
+        scale = abs(m)
+        if fraction:
+          row['complement_rel_error'] = _rel_error(1.0 - p, 1.0 - m)
+          scale = min(abs(m), abs(1.0 - m))
+        row['within'] = abs(p - m) <= TOLERANCE * scale
+      rows.append(row)
   return rows
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
   """Markdown table of `compare`'s rows."""
-  lines = ['| setting | metric | predicted | measured | error | within 20% |', '|---|---|---:|---:|---:|---|']
+  lines = ['| setting | metric | predicted | measured | error | error of 1 - fraction | within 20% |',
+           '|---|---|---:|---:|---:|---:|---|']
   for r in rows:
     meas = '—' if r['measured'] is None else f"{r['measured']:.4g}"
     err = '—' if r['measured'] is None else f"{100 * r['rel_error']:+.1f}%"
+    comp = '' if r['complement_rel_error'] is None else (
+        '—' if r['measured'] is None else f"{100 * r['complement_rel_error']:+.1f}%")
     ok = '—' if r['within'] is None else ('yes' if r['within'] else 'no')
-    lines.append(f"| {r['setting']} | {r['metric']} | {r['predicted']:.4g} | {meas} | {err} | {ok} |")
+    lines.append(f"| {r['setting']} | {r['metric']} | {r['predicted']:.4g} | {meas} | {err} | {comp} | {ok} |")
   return '\n'.join(lines)
 
 

@@ -73,9 +73,10 @@ class QuickTest(absltest.TestCase):
     self.assertEqual(m['continuous'], {'slots': 32, 'decode_steps': 16})
     self.assertEqual(m['settings']['async/sao']['num_slots'], 3)
     self.assertEqual(m['settings']['sync/sao']['num_slots'], 1)
+    self.assertEqual(m['settings']['sync/grpo']['num_slots'], 1)
     self.assertEqual(m['settings']['async/grpo']['lockstep']['slowdown'], 2.0)
     rows = calibrate.compare(m)
-    self.assertLen([r for r in rows if r['measured'] is not None], 6)
+    self.assertLen([r for r in rows if r['measured'] is not None], 8)  # All four settings, both metrics.
 
 
 if __name__ == '__main__':

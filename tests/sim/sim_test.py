@@ -262,6 +262,21 @@ class CalibrateTest(absltest.TestCase):
       rows = calibrate.compare(json.load(f))
     self.assertTrue(all(r['within'] for r in rows), calibrate.format_table(rows))
 
+  def test_a_fraction_is_within_when_its_complement_is(self):
+    # Async SAO's closed form: idle 1 - s/e = 0.7, busy 0.3. A measured idle of 0.76 is 7.9% off on the idle
+    # fraction but 25% off on the busy one (0.3 vs 0.24): not within. 0.66: idle +6.1%, busy -11.8%: within.
+    for measured, rel, complement, within in ((0.76, 0.7 / 0.76 - 1, 0.3 / 0.24 - 1, False),
+                                               (0.66, 0.7 / 0.66 - 1, 0.3 / 0.34 - 1, True)):
+      m = self._measurements()
+      m['measured'] = {'async/sao': {'learner_idle_fraction': measured}}
+      rows = {(r['setting'], r['metric']): r for r in calibrate.compare(m)}
+      row = rows['async/sao', 'learner_idle_fraction']
+      self.assertAlmostEqual(row['predicted'], 0.7, delta=0.005)
+      self.assertAlmostEqual(row['rel_error'], rel, delta=0.01)
+      self.assertAlmostEqual(row['complement_rel_error'], complement, delta=0.02)
+      self.assertEqual(row['within'], within, row)
+      self.assertIsNone(rows['async/sao', 'trajectories_per_s']['complement_rel_error'])  # A rate, not a fraction.
+
   def test_off_measurement_flagged(self):
     rows = calibrate.compare(self._measurements(scale=1.5))
     bad = [r for r in rows if r['metric'] == 'trajectories_per_s' and r['measured'] is not None]
