@@ -108,8 +108,8 @@ def bench_config(setting: str, *, quick: bool = False, threads: int = 4, batch: 
   c.trainer.batch_size = batch
   c.trainer.seq_buckets = (384,)
   c.trainer.queue_size = threads * call_rows + batch  # Every thread can have a call in flight.
-  if continuous and setting != 'sync':
-    if slots < call_rows and setting == 'grpo':
+  if continuous and mode == 'async':
+    if slots < call_rows and algo == 'grpo':
       raise ValueError(f'slots={slots} < G={call_rows}: a GRPO group must fit in the slots.')
     c.sampler.continuous = True
     c.sampler.batch_size = slots

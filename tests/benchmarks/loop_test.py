@@ -38,7 +38,7 @@ class BenchConfigTest(absltest.TestCase):
   def test_continuous_applies_to_the_async_settings_only(self):
     for setting in loop.SETTINGS:
       c = loop.bench_config(setting, continuous=True, threads=2, slots=24, decode_steps=8)
-      cont = setting != 'sync'
+      cont = setting in ('async', 'grpo')
       self.assertEqual(bool(c.sampler.continuous), cont)
       self.assertEqual(c.sampler.batch_size, 24 if cont else 8)  # Slots per actor, or the static call's rows.
       self.assertEqual(c.trainer.queue_size, 2 * 24 + 16 if cont else 2 * 8 + 16)
