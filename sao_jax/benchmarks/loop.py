@@ -1,6 +1,7 @@
 r"""The actor-learner loop on an agentic-like workload: trained trajectories/s, learner idle, staleness.
 
   python -m sao_jax.benchmarks.loop [--rounds=2 --num_steps=12 --skip=3 --threads=4 --json=m.json] [--quick]
+  python -m sao_jax.benchmarks.loop --continuous --threads=1 --slots=32 [--decode_steps=16 ...]
 
 Runs the real trainer (`sao_jax.trainer.run`) on the tiny model with the `latency` task (sao_jax/envs/latency.py):
 multi-turn episodes whose tool calls sleep a clipped log-normal time (median 150 ms, sigma 0.8, in [20, 500] ms),
@@ -11,6 +12,13 @@ letters under the random policy (geometric, mean ~10 tokens, cut at 64). Setting
   async      trainer.mode=async with `--threads` actor threads;
   grpo       async, algo.name=grpo with G=8 (one group per sampler call), the same trajectories per step;
   sync_grpo  sync, GRPO as in grpo.
+
+With `--continuous` the async settings' actors play through continuous batching (`sampler.continuous`,
+`sao_jax.rollout.continuous`): each of the `--threads` actors keeps `--slots` episodes in flight, a new prompt
+(GRPO: a whole group of G) entering as soon as slots free up, and the queue bounds `threads * slots + batch`
+trajectories in flight or queued (as `threads * call_rows + batch` for static calls). Sync mode keeps its static
+calls (the baseline). A static call of 8 rows waits, turn by turn, for its slowest row and its slowest tool
+call; a slot waits only for its own episode's.
 
 They run interleaved (sync, async, grpo, sync, async, grpo, ...) `--rounds` times. Each run's figures come from
 WORKDIR/metrics.jsonl with the first `--skip` steps left out (compile and warm-up, reported apart):
@@ -57,6 +65,10 @@ _SKIP = flags.DEFINE_integer('skip', 3, 'First steps of a run left out of the ra
 _THREADS = flags.DEFINE_integer('threads', 4, 'Actor threads in async mode.')
 _BATCH = flags.DEFINE_integer('batch_size', 16, 'Trajectories per learner step.')
 _CALL = flags.DEFINE_integer('call_rows', 8, 'Episodes per sampler call (GRPO: one group of G = call_rows).')
+_CONTINUOUS = flags.DEFINE_bool('continuous', False, 'Async settings: actors play through continuous batching '
+                                '(sampler.continuous) with --slots decode slots each.')
+_SLOTS = flags.DEFINE_integer('slots', 16, 'With --continuous: decode slots per actor thread (sampler.batch_size).')
+_DECODE_STEPS = flags.DEFINE_integer('decode_steps', 16, 'With --continuous: decode steps per device call.')
 _SETTINGS = flags.DEFINE_list('settings', list(SETTINGS), f'Which of {SETTINGS}.')
 _PROBE = flags.DEFINE_integer('probe_calls', 5, 'Sampler calls of the timing probe (0 = no probe).')
 _JSON = flags.DEFINE_string('json', '', 'Write the calibration measurements (sao_jax.sim.calibrate) here.')
@@ -65,8 +77,11 @@ _CACHE = flags.DEFINE_string('compile_cache', os.path.join(tempfile.gettempdir()
 
 
 def bench_config(setting: str, *, quick: bool = False, threads: int = 4, batch: int = 16, call_rows: int = 8,
-                 steps: int = 12, workdir: str = ''):
-  """The benchmark's trainer config for one of SETTINGS."""
+                 steps: int = 12, workdir: str = '', continuous: bool = False, slots: int = 16,
+                 decode_steps: int = 16):
+  """The benchmark's trainer config for one of SETTINGS. `continuous`: the async settings' actors play through
+  continuous batching with `slots` decode slots each (GRPO: whole groups of G = call_rows stream through them);
+  sync mode keeps its static calls."""
   if setting not in SETTINGS:
     raise ValueError(f'setting={setting!r} is not one of {SETTINGS}')
   c = base_config.get_config()
@@ -93,6 +108,13 @@ def bench_config(setting: str, *, quick: bool = False, threads: int = 4, batch: 
   c.trainer.batch_size = batch
   c.trainer.seq_buckets = (384,)
   c.trainer.queue_size = threads * call_rows + batch  # Every thread can have a call in flight.
+  if continuous and mode == 'async':
+    if slots < call_rows and algo == 'grpo':
+      raise ValueError(f'slots={slots} < G={call_rows}: a GRPO group must fit in the slots.')
+    c.sampler.continuous = True
+    c.sampler.batch_size = slots
+    c.sampler.decode_steps = decode_steps
+    c.trainer.queue_size = threads * slots + batch  # Every slot of every thread can have an episode in flight.
   c.trainer.num_steps = steps
   c.trainer.checkpoint_every = 0
   c.trainer.eval_every = 0
@@ -234,13 +256,15 @@ def table(results: dict[str, list[dict]]) -> str:
 
 def run_benchmark(*, quick: bool = False, settings=SETTINGS, rounds: int = 2, threads: int = 4, batch: int = 16,
                   call_rows: int = 8, steps: int = 12, skip: int = 3, probe_calls: int = 5,
-                  json_path: str = '') -> dict[str, list[dict]]:
+                  json_path: str = '', continuous: bool = False, slots: int = 16,
+                  decode_steps: int = 16) -> dict[str, list[dict]]:
   """Runs the settings interleaved `rounds` times, prints the table; returns {setting: [figures per run]}.
-  `quick`: 2 threads, batch 8 (divisible by the tests' 8 simulated devices) of calls of 4, 3 steps (1 skipped),
-  one round, ms tool times, no probe."""
+  `quick`: 2 threads, batch 8 (divisible by the tests' 8 simulated devices) of calls of 4 (continuous: 4 slots),
+  3 steps (1 skipped), one round, ms tool times, no probe."""
   if quick:
-    threads, batch, call_rows, steps, skip, rounds, probe_calls = 2, 8, 4, 3, 1, 1, 0
-  kw = dict(quick=quick, threads=threads, batch=batch, call_rows=call_rows, steps=steps)
+    threads, batch, call_rows, steps, skip, rounds, probe_calls, slots = 2, 8, 4, 3, 1, 1, 0, 4
+  kw = dict(quick=quick, threads=threads, batch=batch, call_rows=call_rows, steps=steps, continuous=continuous,
+            slots=slots, decode_steps=decode_steps)
   unknown = set(settings) - set(SETTINGS)
   if unknown:
     raise ValueError(f'settings: {sorted(unknown)} not in {SETTINGS}')
@@ -274,7 +298,8 @@ def run_benchmark(*, quick: bool = False, settings=SETTINGS, rounds: int = 2, th
             f"{', '.join(f'{x:.1%}' for x in idle)}  (goal: >= 2.5x, idle < 15%)")
   print(f'load after: {_load()}')
   if json_path:
-    write_measurements(json_path, results, prb, threads=threads, batch=batch, call_rows=call_rows)
+    write_measurements(json_path, results, prb, threads=threads, batch=batch, call_rows=call_rows,
+                       continuous={'slots': slots, 'decode_steps': decode_steps} if continuous else None)
     print(f'measurements: {json_path}')
   return results
 
@@ -286,12 +311,15 @@ def main(argv):
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
   run_benchmark(quick=_QUICK.value, settings=tuple(_SETTINGS.value), rounds=_ROUNDS.value, threads=_THREADS.value,
                 batch=_BATCH.value, call_rows=_CALL.value, steps=_STEPS.value, skip=_SKIP.value,
-                probe_calls=_PROBE.value, json_path=_JSON.value)
+                probe_calls=_PROBE.value, json_path=_JSON.value, continuous=_CONTINUOUS.value, slots=_SLOTS.value,
+                decode_steps=_DECODE_STEPS.value)
 
 
 def write_measurements(path: str, results: dict[str, list[dict]], prb: dict | None, *, threads: int, batch: int,
-                       call_rows: int) -> None:
-  """The measurements file of `sao_jax.sim.calibrate` (its docstring has the format)."""
+                       call_rows: int, continuous: dict | None = None) -> None:
+  """The measurements file of `sao_jax.sim.calibrate` (its docstring has the format). `continuous`: the async
+  settings' actors ran continuous batching ({'slots': ..., 'decode_steps': ...}), recorded as the file's
+  `continuous` entry (the simulator's lock-step model describes static calls only)."""
   if prb is None:
     raise ValueError('--json needs the probe (--probe_calls > 0).')
   rows = call_rows
@@ -320,6 +348,7 @@ def write_measurements(path: str, results: dict[str, list[dict]], prb: dict | No
       'lockstep': {k: prb[k] for k in ('rows', 'gen_tokens', 'turns', 'tool_latency_s', 'tokens_per_s',
                                          'turn_overhead_s', 'call_overhead_s')},
       'group_size': 1,
+      'continuous': continuous,
       'settings': settings,
       'measured': measured,
   }

@@ -8,18 +8,22 @@ own write slot and RoPE positions) and two kinds of jitted programs:
   P of the slots (a new episode's prompt into a reset slot, or the next turn of an episode: its pending last
   token followed by its observation tokens, appended to what the slot holds) and samples each row's first
   token of the turn. The P rows are gathered from the cache, run through `decode.forward` and scattered back;
-  P is bucketed to a power of two (padding rows point past the cache and are dropped), T to `chunk_buckets`;
-  chunks longer than the largest bucket are written in pieces (only the last piece samples);
-* **decode** `(weights, cache, last, active, ..., free_target) -> (tokens[B, n], log-probs, cache)`: a chunk of
-  at most `n` single-token steps over every slot, with a per-slot active mask (a `lax.while_loop` that ends
-  early when no slot is active, or once `free_target` slots are inactive: newcomers are waiting for them).
-  A slot leaves the active set when its turn ends (stop token or budget); inactive slots write nothing that
-  is ever read and do not advance. The loop runs on a copy of the cache cut to a window (`windows`: a few
-  static sizes, chosen per chunk to hold every active slot's chunk and every slot's history), written back
-  once per chunk.
+  P is bucketed to a power of 4 (padding rows point past the cache and are dropped), T to `chunk_buckets`
+  (one call per bucket: a short observation is not padded to a long prompt's length); chunks longer than the
+  largest bucket are written in pieces (only the last piece samples). The chunk attends over the smallest of
+  a few static windows (`admit_windows`) that holds the rows' histories plus the chunk: on a tiny model the
+  attention over the whole cache, not the matmuls, is most of an admission's cost;
+* **decode** `(weights, cache, rows[R], last, active, ..., free_target) -> (tokens[R, n], log-probs, cache)`: a
+  chunk of at most `n` single-token steps over the active slots, gathered into R rows (R bucketed as P: a slot
+  that waits for an env step costs nothing), with a per-row active mask (a `lax.while_loop` that ends early
+  when no row is active, or once `free_target` slots are free: newcomers are waiting for them). A row leaves
+  the active set when its turn ends (stop token or budget); inactive rows write nothing that is ever read and
+  do not advance. The loop runs on a copy of the R rows cut to a window (`windows`: a few static sizes, chosen
+  per chunk to hold every active slot's history and chunk), scattered back once per chunk.
 
-So the number of compiled programs is fixed by the slot count: `len(P buckets) x len(chunk_buckets)` admit
-programs and `len(windows)` decode programs, all compiled by `warmup`; slots come and go without a recompile
+So the number of compiled programs is fixed by the slot count: at most `len(P buckets) x len(chunk_buckets) x
+len(admit_windows)` admit programs and `len(P buckets) x len(windows)` decode programs, all compiled by
+`warmup`; slots come and go without a recompile
 (`num_compiled` counts them).
 
 Between chunks the host admits newcomers into free slots: a turn that ends frees nothing but its decode
@@ -76,16 +80,17 @@ def _admit_impl(st: StaticSettings, weights: DecodeWeights, cache: DecodeCache, 
   return cache, tok, lp, slp
 
 
-def _decode_impl(st: StaticSettings, num_steps: int, weights: DecodeWeights, cache: DecodeCache, last: Array,
-                 active: Array, lengths: Array, budgets: Array, seeds: Array, free_target: Array):
-  """Up to `num_steps` tokens per active slot: feeds `last`, samples, stops a slot at a stop token or when
-  `lengths` (tokens of the turn so far) reaches `budgets`. The chunk ends early once `free_target` slots are
-  inactive (newcomers are waiting for them) or none is active.
+def _decode_impl(st: StaticSettings, num_steps: int, weights: DecodeWeights, cache: DecodeCache, rows: Array,
+                 last: Array, active: Array, lengths: Array, budgets: Array, seeds: Array, free_target: Array):
+  """Up to `num_steps` tokens for each of the cache rows `rows` [R] (the active slots, gathered; rows >= B are
+  padding: inactive, nothing is written back): feeds `last`, samples, stops a row at a stop token or when
+  `lengths` (tokens of the turn so far) reaches `budgets` (all [R]). The chunk ends early once `free_target`
+  of the R rows are inactive (newcomers are waiting for their slots) or none is active.
 
-  The loop runs on a copy of the cache cut to `st.window` slots (attention then reads only those), written
-  back into the donated full cache afterwards: two copies of the window per chunk instead of one per step
-  (a slice of the full cache inside the loop costs XLA:CPU a copy per layer and step). Slots past the window
-  are left as they are (inactive slots may hold a longer history there)."""
+  The loop runs on a copy of the R rows cut to `st.window` slots (attention then reads only those), scattered
+  back into the donated full cache afterwards: two copies of the rows' windows per chunk instead of one per step,
+  and no work for the slots that wait for an env step (on a tiny model most slots wait, and a decode step's cost
+  is proportional to its rows). Slots past the window and rows not gathered are left as they are."""
   b = last.shape[0]
   tokens = jnp.full((b, num_steps), st.pad_id, jnp.int32)
   lps = jnp.zeros((b, num_steps), jnp.float32)
@@ -109,16 +114,17 @@ def _decode_impl(st: StaticSettings, num_steps: int, weights: DecodeWeights, cac
     active = carry[5]
     return (carry[0] < num_steps) & jnp.any(active) & (jnp.sum(~active) < free_target)
 
-  cut = st.window < cache.max_len
-  small = resize_cache(cache, st.window) if cut else cache
+  w = st.window
+  take = lambda x: jnp.take(x, rows, axis=0, mode='clip')
+  small = DecodeCache(k=tuple(take(x)[..., :w] for x in cache.k), v=tuple(take(x)[:, :, :w] for x in cache.v),
+                      valid=take(cache.valid)[:, :w], index=take(cache.index), positions=take(cache.positions))
   carry = (jnp.zeros((), jnp.int32), small, tokens, lps, slps, active, lengths, last)
   steps, small, tokens, lps, slps, active, lengths, last = jax.lax.while_loop(running, step, carry)
-  if cut:
-    put = lambda full, part: jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
-    cache = DecodeCache(k=tuple(map(put, cache.k, small.k)), v=tuple(map(put, cache.v, small.v)),
-                        valid=put(cache.valid, small.valid), index=small.index, positions=small.positions)
-  else:
-    cache = small
+  cache = DecodeCache(k=tuple(full.at[rows, :, :, :w].set(part, mode='drop') for full, part in zip(cache.k, small.k)),
+                      v=tuple(full.at[rows, :, :w].set(part, mode='drop') for full, part in zip(cache.v, small.v)),
+                      valid=cache.valid.at[rows, :w].set(small.valid, mode='drop'),
+                      index=cache.index.at[rows].set(small.index, mode='drop'),
+                      positions=cache.positions.at[rows].set(small.positions, mode='drop'))
   return cache, tokens, lps, slps, active, lengths, last, steps
 
 
@@ -186,11 +192,13 @@ class SlotSampler:
     chunk_buckets: admission chunk lengths (chunks are right-padded up to one; longer ones are split).
     decode_steps: decode steps per chunk (the host admits newcomers between chunks).
     num_windows: attention windows of the decode programs (the last one is the whole cache).
+    num_admit_windows: attention windows of the admit programs (multiples of 64, the last one the whole cache):
+      an admission reads the smallest that holds its rows' histories and chunk.
   """
 
   def __init__(self, source: SnapshotSource, *, num_slots: int, max_seq_len: int, stop_ids: Sequence[int],
-               pad_id: int, chunk_buckets: Sequence[int] = (16, 64), decode_steps: int = 16,
-               num_windows: int = 8):
+               pad_id: int, chunk_buckets: Sequence[int] = (16, 32, 64), decode_steps: int = 16,
+               num_windows: int = 8, num_admit_windows: int = 3):
     if num_slots < 1 or decode_steps < 1 or max_seq_len < 2:
       raise ValueError(f'SlotSampler: num_slots={num_slots}, decode_steps={decode_steps} and max_seq_len='
                        f'{max_seq_len} must be >= 1, 1 and 2.')
@@ -209,6 +217,8 @@ class SlotSampler:
     granule = 64
     self.cache_len = -(-(self.max_seq_len + self.chunk_buckets[-1]) // granule) * granule
     self.windows = decode_windows(self.cache_len, granule=granule, max_segments=max(1, int(num_windows)))
+    step = -(-self.cache_len // max(1, int(num_admit_windows)) // granule) * granule
+    self.admit_windows = tuple(range(step, self.cache_len, step)) + (self.cache_len,)
     # Admission rows: powers of 4 up to the slot count (few programs; a partly filled admission is cheap).
     self.row_buckets = tuple(sorted({min(4 ** k, self.num_slots) for k in range(16) if 4 ** (k - 1) < self.num_slots}))
     fresh = functools.partial
@@ -253,17 +263,19 @@ class SlotSampler:
     snapshot = self.source.snapshot
     for p in self.row_buckets:
       for t in self.chunk_buckets:
-        rows = np.full((p,), self.num_slots, np.int32)
-        zeros = np.zeros((p,), np.int32)
-        self._cache, *_ = self._admit(self._static(params, self.cache_len), snapshot.weights, self._cache,
-                                      rows, np.zeros((p, t), np.int32), np.zeros((p, t), bool), zeros,
-                                      np.ones((p,), bool), zeros.astype(np.uint32))
-    b = self.num_slots
-    for w in self.windows:
-      out = self._decode(self._static(params, w), self.decode_steps, snapshot.weights, self._cache,
-                         np.zeros((b,), np.int32), np.zeros((b,), bool), np.zeros((b,), np.int32),
-                         np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.int32(b + 1))
-      self._cache = out[0]
+        for w in [w for w in self.admit_windows if t <= w]:
+          rows = np.full((p,), self.num_slots, np.int32)
+          zeros = np.zeros((p,), np.int32)
+          self._cache, *_ = self._admit(self._static(params, w), snapshot.weights, self._cache,
+                                        rows, np.zeros((p, t), np.int32), np.zeros((p, t), bool), zeros,
+                                        np.ones((p,), bool), zeros.astype(np.uint32))
+    for r in self.row_buckets:
+      for w in self.windows:
+        zeros = np.zeros((r,), np.int32)
+        out = self._decode(self._static(params, w), self.decode_steps, snapshot.weights, self._cache,
+                           np.full((r,), self.num_slots, np.int32), zeros, np.zeros((r,), bool), zeros, zeros,
+                           zeros.astype(np.uint32), np.int32(r + 1))
+        self._cache = out[0]
     jax.block_until_ready(self._cache)
 
   # ---- Admission and decoding.
@@ -292,25 +304,35 @@ class SlotSampler:
       chunks.append(chunk)
     piece = self.chunk_buckets[-1]
     pieces = [[c[i:i + piece] for i in range(0, len(c), piece)] for c in chunks]
-    first = {}
+    # One device call per (piece round, chunk bucket): rows are padded to their own bucket only, and the call
+    # attends over the smallest admit window that holds its rows' histories plus the chunk (a row's cache before
+    # piece r holds its old fill, 0 for a new episode, plus its earlier pieces).
+    calls = []
     for r in range(max(len(p) for p in pieces)):
-      part = [i for i, p in enumerate(pieces) if r < len(p)]
-      p_rows = next(x for x in self.row_buckets if len(part) <= x)
-      t = self.chunk_bucket(max(len(pieces[i][r]) for i in part))
-      rows = np.full((p_rows,), self.num_slots, np.int32)
-      chunk = np.full((p_rows, t), self.pad_id, np.int32)
-      valid = np.zeros((p_rows, t), bool)
-      lengths = np.zeros((p_rows,), np.int32)
-      reset = np.zeros((p_rows,), bool)
-      seeds = np.zeros((p_rows,), np.uint32)
-      for j, i in enumerate(part):
-        a, c = admissions[i], pieces[i][r]
-        rows[j], lengths[j], reset[j] = a.slot, len(c), a.new and r == 0
-        chunk[j, :len(c)], valid[j, :len(c)] = c, True
-        seeds[j] = (a.seed % (1 << 32)) if a.new else self.seeds[a.slot]
-      self._cache, tok, lp, slp = self._admit(self._static(params, self.cache_len), snapshot.weights, self._cache,
-                                              rows, chunk, valid, lengths, reset, seeds)
-      tok, lp, slp = jax.device_get((tok, lp, slp))
+      by_bucket: dict[int, list[int]] = {}
+      for i, p in enumerate(pieces):
+        if r < len(p):
+          by_bucket.setdefault(self.chunk_bucket(len(p[r])), []).append(i)
+      for t, part in sorted(by_bucket.items()):
+        before = max((0 if admissions[i].new else int(self.fill[admissions[i].slot])) + r * piece for i in part)
+        window = next(w for w in self.admit_windows if before + t <= w)
+        p_rows = next(x for x in self.row_buckets if len(part) <= x)
+        rows = np.full((p_rows,), self.num_slots, np.int32)
+        chunk = np.full((p_rows, t), self.pad_id, np.int32)
+        valid = np.zeros((p_rows, t), bool)
+        lengths = np.zeros((p_rows,), np.int32)
+        reset = np.zeros((p_rows,), bool)
+        seeds = np.zeros((p_rows,), np.uint32)
+        for j, i in enumerate(part):
+          a, c = admissions[i], pieces[i][r]
+          rows[j], lengths[j], reset[j] = a.slot, len(c), a.new and r == 0
+          chunk[j, :len(c)], valid[j, :len(c)] = c, True
+          seeds[j] = (a.seed % (1 << 32)) if a.new else self.seeds[a.slot]
+        self._cache, tok, lp, slp = self._admit(self._static(params, window), snapshot.weights, self._cache,
+                                                rows, chunk, valid, lengths, reset, seeds)
+        calls.append((r, part, (tok, lp, slp)))
+    first = {}
+    for (r, part, _), (tok, lp, slp) in zip(calls, jax.device_get([c[2] for c in calls])):
       for j, i in enumerate(part):
         if r == len(pieces[i]) - 1:
           first[i] = (int(tok[j]), float(lp[j]), float(slp[j]))
@@ -338,23 +360,30 @@ class SlotSampler:
     if not was_active.any():
       return []
     snapshot = self.source.snapshot
-    # The loop runs on the cache cut to the window: it must hold every active slot's chunk and every slot that
-    # keeps a history (an inactive slot still writes, harmlessly, one slot past its history).
-    need = min(max(int(self.fill[was_active].max()) + self.decode_steps, int(self.fill.max()) + 1), self.cache_len)
+    # The active slots, gathered into a row bucket (padding rows point past the cache); the loop runs on their
+    # rows cut to the window, which must hold every active slot's chunk.
+    idx = np.flatnonzero(was_active)
+    n, r = len(idx), next(x for x in self.row_buckets if len(idx) <= x)
+    rows = np.full((r,), self.num_slots, np.int32)
+    rows[:n] = idx
+    gather = lambda a: np.concatenate([a[idx], np.zeros((r - n,), a.dtype)])
+    need = min(int(self.fill[idx].max()) + self.decode_steps, self.cache_len)
     window = next(w for w in self.windows if need <= w)
+    # `free_target` counts free slots of all B; the chunk counts inactive rows of its R (B - n are not in it).
+    target = r + 1 if free_target is None else free_target - (self.num_slots - r)
     out = self._decode(self._static(params, window), self.decode_steps, snapshot.weights, self._cache,
-                       self.last, was_active, self.lengths, self.budgets, self.seeds,
-                       np.int32(self.num_slots + 1 if free_target is None else free_target))
+                       rows, gather(self.last), gather(was_active), gather(self.lengths), gather(self.budgets),
+                       gather(self.seeds), np.int32(target))
     self._cache = out[0]
     tokens, lps, slps, active, lengths, last, _ = jax.device_get(out[1:])
     results = []
-    for s in np.flatnonzero(was_active):
-      n = int(lengths[s] - self.lengths[s])
-      results.append(SlotTokens(int(s), tokens[s, :n].tolist(), lps[s, :n].tolist(), slps[s, :n].tolist(),
-                                snapshot.version, not bool(active[s])))
-      self.fill[s] += n  # Each step wrote the slot's previous token.
-      self.pending[s] = last[s]
-    self.active, self.lengths, self.last = np.array(active), np.array(lengths), np.array(last)
+    for j, s in enumerate(idx):
+      k = int(lengths[j] - self.lengths[s])
+      results.append(SlotTokens(int(s), tokens[j, :k].tolist(), lps[j, :k].tolist(), slps[j, :k].tolist(),
+                                snapshot.version, not bool(active[j])))
+      self.fill[s] += k  # Each step wrote the slot's previous token.
+      self.pending[s] = last[j]
+      self.active[s], self.lengths[s], self.last[s] = bool(active[j]), lengths[j], last[j]
     return results
 
   def release(self, slot: int) -> None:

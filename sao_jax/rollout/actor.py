@@ -272,6 +272,11 @@ class Actor:
         items.append(self._groups.pop(number))
     return items
 
+  def warmup(self) -> None:
+    """Compiles the continuous runner's programs (every slot-row bucket and window), so that none compiles
+    while episodes run (a compile stalls every slot of the actor)."""
+    self.runner.slots.warmup(self.decoding)
+
   def abandon(self) -> int:
     """Drops every episode in flight (after a failure); returns how many trajectories will not come."""
     n = self.runner.pending + sum(len(g) for g in self._groups.values())  # Reserved, not put.
@@ -345,9 +350,16 @@ class ActorThread(threading.Thread):
 
   def _run_continuous(self) -> None:
     """Continuous batching: prompts enter as slots free up (each reserving its room in the queue first) and
-    items are put as their episodes finish; no call boundary, so no slot waits for a batch to drain."""
+    items are put as their episodes finish; no call boundary, so no slot waits for a batch to drain. The slot
+    sampler's programs are compiled first (`Actor.warmup`)."""
     actor, g = self.actor, self.actor.group_size
     consecutive = 0
+    try:
+      actor.warmup()
+    except Exception as e:  # pylint: disable=broad-except  (as a failed call: logged, counted; the loop goes on)
+      consecutive += 1
+      if self._failed(e, 'the continuous sampler warm-up', consecutive):
+        return
     while not self._stop_event.is_set():
       try:
         while actor.room() > 0 and self.queue.reserve(g, timeout=0.0 if actor.runner.pending else 1.0):

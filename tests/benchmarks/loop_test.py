@@ -33,6 +33,21 @@ class SummarizeTest(absltest.TestCase):
       loop.summarize(rows, {'wall_s': 1.0}, batch=16, skip=3)
 
 
+class BenchConfigTest(absltest.TestCase):
+
+  def test_continuous_applies_to_the_async_settings_only(self):
+    for setting in loop.SETTINGS:
+      c = loop.bench_config(setting, continuous=True, threads=2, slots=24, decode_steps=8)
+      cont = setting in ('async', 'grpo')
+      self.assertEqual(bool(c.sampler.continuous), cont)
+      self.assertEqual(c.sampler.batch_size, 24 if cont else 8)  # Slots per actor, or the static call's rows.
+      self.assertEqual(c.trainer.queue_size, 2 * 24 + 16 if cont else 2 * 8 + 16)
+      self.assertEqual(c.trainer.batch_size, 16)  # The learner's work does not change.
+    self.assertFalse(loop.bench_config('async').sampler.continuous)
+    with self.assertRaisesRegex(ValueError, 'GRPO group'):
+      loop.bench_config('grpo', continuous=True, slots=4, call_rows=8)
+
+
 class QuickTest(absltest.TestCase):
 
   def test_quick_async(self):
@@ -51,9 +66,11 @@ class QuickTest(absltest.TestCase):
     prb = {'rows': 2, 'gen_tokens': [5, 9], 'turns': [1, 3], 'tool_latency_s': [0.1, 0.2], 'tokens_per_s': 100.0,
            'turn_overhead_s': 0.01, 'call_overhead_s': 0.02, 'generate_s': 0.5}
     path = os.path.join(tempfile.mkdtemp(), 'm.json')
-    loop.write_measurements(path, runs, prb, threads=3, batch=4, call_rows=2)
+    loop.write_measurements(path, runs, prb, threads=3, batch=4, call_rows=2,
+                            continuous={'slots': 32, 'decode_steps': 16})
     with open(path) as f:
       m = json.load(f)
+    self.assertEqual(m['continuous'], {'slots': 32, 'decode_steps': 16})
     self.assertEqual(m['settings']['async/sao']['num_slots'], 3)
     self.assertEqual(m['settings']['sync/sao']['num_slots'], 1)
     self.assertEqual(m['settings']['sync/grpo']['num_slots'], 1)

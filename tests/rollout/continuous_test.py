@@ -59,9 +59,11 @@ class ContinuousTest(absltest.TestCase):
                                          pad_id=cls.tok.pad_id, max_total_len=128, min_rows=8, version=4)
     # Two slots for six episodes: slots refill many times; one chunk bucket of 16: prompts (>= 20 tokens
     # with the chat template) are written in pieces; two attention windows (96, 192 slots): decode chunks run
-    # on the cache cut to a window and written back.
+    # on the cache cut to a window and written back; two admit windows (128, 192): early chunks attend over
+    # the small one.
     cls.slots = SlotSampler(cls.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=cls.backend.stop_ids,
-                            pad_id=cls.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2)
+                            pad_id=cls.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2,
+                            num_admit_windows=2)
     cls.slots.warmup(_GREEDY)
     cls.slots.warmup(_SAMPLED)
     cls.compiled = cls.slots.num_compiled()
@@ -74,9 +76,12 @@ class ContinuousTest(absltest.TestCase):
                           seeds=list(order), group_ids=list(order), **kwargs)
 
   def test_compiled_programs_are_fixed_by_the_slot_count(self):
-    # Per sampling setting: row buckets {1, 2} x chunk buckets {16} admit programs, one decode per window.
+    # Per sampling setting: row buckets {1, 2} x chunk buckets {16} x admit windows {128, 192} admit programs,
+    # row buckets {1, 2} x windows {96, 192} decode programs.
+    self.assertEqual(self.slots.row_buckets, (1, 2))
     self.assertEqual(self.slots.windows, (96, 192))
-    self.assertEqual(self.compiled, {'admit': 2 * 2 * 1, 'decode': 2 * 2})
+    self.assertEqual(self.slots.admit_windows, (128, 192))
+    self.assertEqual(self.compiled, {'admit': 2 * 2 * 1 * 2, 'decode': 2 * 2 * 2})
 
   def test_greedy_episodes_equal_the_static_sampler_in_any_arrival_order(self):
     n = len(self.examples)
@@ -117,9 +122,12 @@ class ContinuousTest(absltest.TestCase):
 
   def test_a_chunk_ends_once_enough_slots_are_free_and_held_histories_survive_the_window(self):
     """`decode(free_target=1)` stops at the step that frees a slot; a slot whose turn ended keeps its long history
-    (past the small window) while the other decodes, so its next turn is the plain forward's greedy one."""
+    (past the small window) while the other decodes, so its next turn is the plain forward's greedy one. The
+    first admission mixes chunk buckets (a 100-token prompt in pieces of 64 and 36, a 3-token one: one call per
+    bucket) and attends over the small admit window (64 of 64, 128, 192 slots)."""
     slots = SlotSampler(self.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=(), pad_id=self.tok.pad_id,
-                        chunk_buckets=(16,), decode_steps=4, num_windows=2)
+                        chunk_buckets=(16, 64), decode_steps=4, num_windows=2, num_admit_windows=3)
+    self.assertEqual(slots.admit_windows, (64, 128, 192))
     slots.warmup(_GREEDY)
     compiled = slots.num_compiled()
     long_prompt, short_prompt = [3 + i % 50 for i in range(100)], [9, 10, 11]
