@@ -55,7 +55,7 @@ import numpy as np
 
 from sao_jax.models import sampling
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.decode import DecodeCache, DecodeWeights, forward, init_cache, last_logits, resize_cache
+from sao_jax.models.decode import DecodeCache, DecodeWeights, forward, init_cache, last_logits
 from sao_jax.models.sampler import StaticSettings, WeightsSnapshot, decode_windows, is_stop
 from sao_jax.models.sampling import SamplingParams
 
