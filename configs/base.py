@@ -92,8 +92,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.prompt_buckets = (32, 64, 128, 256)  # Prompt lengths are padded up to one of these (bounded compiles).
   s.batch_size = 16  # Prompts generated together in one sampler call.
   s.num_threads = 1  # Host sampler threads (async mode).
-  s.continuous = False  # Actors play through continuous batching (batch_size decode slots refilled as episodes end).
+  s.continuous = True  # Actors play through continuous batching (batch_size decode slots refilled as episodes end);
+  # False: static calls of batch_size episodes, turn by turn.
   s.decode_steps = 16  # Continuous batching: decode steps per device call (newcomers are admitted between calls).
+  s.compile_ahead = False  # Continuous: compile every slot program before the first episode (else each at first use).
 
   # ---- Task / environment.
   c.task = t = ml_collections.ConfigDict()

@@ -80,6 +80,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.trainer.checkpoint_every = 100  # Learner steps between checkpoints (a killed run resumes).
   c.sampler.batch_size = 64  # Episodes per sampler call (one learner batch).
   c.sampler.num_threads = 1  # One sampler thread (2 cores: the learner has the other).
+  c.sampler.continuous = False  # Static calls, as the demo (configs/arith.py): turns of <= 20 tokens and instant
+  # tools leave continuous batching little to win against the compile of its slot programs.
   c.optim.actor_lr = 2e-4  # Arith's: a 0.14M-parameter model takes larger steps than SAO's 1e-6 (a 60-step probe at
   # 4e-4 first fell to 23% at step 20, then rose to 55% at 60).
   c.optim.schedule = 'cosine'  # Decay to lr * end_lr_factor over the run.

@@ -44,6 +44,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.max_seq_len = 200  # Prompt (43-68 tokens; <= 160 char tokens in the smoke run) + reply.
   c.sampler.prompt_buckets = (72, 168)  # One prefill shape for SmolLM2 (72), one for the char smoke run.
   c.sampler.batch_size = 16  # Episodes per sampler call.
+  c.sampler.continuous = False  # Static calls: single-turn replies of <= 32 tokens leave continuous batching little
+  # to win, against the compile of its ~30 slot programs (configs/arith.py's probe).
 
   c.trainer.mode = 'async'  # One actor thread beside the learner.
   c.trainer.batch_size = 16  # Trajectories per learner step.

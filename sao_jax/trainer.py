@@ -13,7 +13,9 @@ actors -> loop -> final eval and save. The pieces (docs/design.md, Data flow):
   devices of each process (their own tensor mesh) and the learner's data/fsdp/tensor mesh spans the rest; the
   `WeightPublisher` reshards each new policy onto the actors' devices asynchronously (n = 0: one process shares
   the learner's mesh);
-- the learner draws `trainer.batch_size` trajectories (stale ones dropped and counted by the queue), packs them
+- the learner draws `trainer.batch_size` trajectories (stale ones dropped and counted by the queue; continuous
+  actors end the episodes bound to be stale in flight, counted too: `dropped/stale` holds both,
+  `dropped/stale_in_flight` the latter), packs them
   (`rollout.pack`: bucketed lengths, unbootstrappable truncations dropped and counted) and runs one jitted
   update; the policy version is the learner step; the new weights are published after every update. In async
   mode the next batch is drawn, packed and placed on the learner's batch sharding while the update runs
@@ -384,7 +386,10 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
                            episodes_per_call=episodes_per_call, weight_switch=str(tr.weight_switch),
                            step_timeout_s=float(config.task.step_timeout_s) or None,
                            continuous=bool(config.sampler.continuous),  # Continuous batching (issue 15).
-                           decode_steps=int(config.sampler.decode_steps))
+                           decode_steps=int(config.sampler.decode_steps),
+                           compile_ahead=bool(config.sampler.compile_ahead),
+                           # Async: episodes bound to come back too stale end in flight (counted).
+                           max_staleness=int(tr.max_staleness) if tr.mode == 'async' else None)
 
   queue = trajectory_queue.TrajectoryQueue(
       int(tr.queue_size), group_size=group_size, max_staleness=int(tr.max_staleness),
@@ -442,7 +447,8 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
     return wall_before + time.perf_counter() - t_start
 
   rows = int(tr.batch_size) // jax.process_count()  # This process's rows of each global batch.
-  counts = {'dropped_stale': 0, 'dropped_equal_reward': 0, 'dropped_pack': 0, 'env_error': 0, 'env_timeout': 0}
+  counts = {'dropped_stale': 0, 'dropped_stale_in_flight': 0, 'dropped_equal_reward': 0, 'dropped_pack': 0,
+            'env_error': 0, 'env_timeout': 0}
   trajectories_trained = 0
   first_eval = None
   last_eval = None
@@ -470,6 +476,9 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
           got_draw = queue.get_batch(need, version, timeout=5.0)
           wait_s += got_draw.wait_s
           counts['dropped_stale'] += got_draw.dropped_stale
+          ended = sum(a.dropped_stale for a in actors())  # Ended in flight, bound to be stale (continuous).
+          counts['dropped_stale'] += ended - counts['dropped_stale_in_flight']
+          counts['dropped_stale_in_flight'] = ended
           counts['dropped_equal_reward'] += got_draw.dropped_equal_reward
           got = got_draw.trajectories
           check_actors()
@@ -527,7 +536,8 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
           **{f'learner/{k}': v for k, v in learner_metrics.items()},
           'staleness/mean': float(np.mean(staleness)), 'staleness/max': float(np.max(staleness)),
           'queue/depth': float(len(queue)), 'trajectories': trajectories_trained,
-          'dropped/stale': counts['dropped_stale'], 'dropped/equal_reward': counts['dropped_equal_reward'],
+          'dropped/stale': counts['dropped_stale'], 'dropped/stale_in_flight': counts['dropped_stale_in_flight'],
+          'dropped/equal_reward': counts['dropped_equal_reward'],
           'dropped/pack': counts['dropped_pack'],
           **{f'dropped/pack_{k}': v for k, v in dropped_pack.items()},
           'failed/env_error': counts['env_error'], 'failed/env_timeout': counts['env_timeout'],

@@ -1,7 +1,7 @@
 r"""The actor-learner loop on an agentic-like workload: trained trajectories/s, learner idle, staleness.
 
-  python -m sao_jax.benchmarks.loop [--rounds=2 --num_steps=12 --skip=3 --threads=4 --json=m.json] [--quick]
-  python -m sao_jax.benchmarks.loop --continuous --threads=1 --slots=32 [--decode_steps=16 ...]
+  python -m sao_jax.benchmarks.loop [--rounds=2 --num_steps=12 --skip=3 --threads=1 --slots=32 --json=m.json]
+  python -m sao_jax.benchmarks.loop --nocontinuous --threads=4 [--call_rows=8 ...]   # static actor calls
 
 Runs the real trainer (`sao_jax.trainer.run`) on the tiny model with the `latency` task (sao_jax/envs/latency.py):
 multi-turn episodes whose tool calls sleep a clipped log-normal time (median 150 ms, sigma 0.8, in [20, 500] ms),
@@ -13,12 +13,13 @@ letters under the random policy (geometric, mean ~10 tokens, cut at 64). Setting
   grpo       async, algo.name=grpo with G=8 (one group per sampler call), the same trajectories per step;
   sync_grpo  sync, GRPO as in grpo.
 
-With `--continuous` the async settings' actors play through continuous batching (`sampler.continuous`,
+The async settings' actors play through continuous batching (`sampler.continuous`, the default;
 `sao_jax.rollout.continuous`): each of the `--threads` actors keeps `--slots` episodes in flight, a new prompt
 (GRPO: a whole group of G) entering as soon as slots free up, and the queue bounds `threads * slots + batch`
-trajectories in flight or queued (as `threads * call_rows + batch` for static calls). Sync mode keeps its static
-calls (the baseline). A static call of 8 rows waits, turn by turn, for its slowest row and its slowest tool
-call; a slot waits only for its own episode's.
+trajectories in flight or queued (as `threads * call_rows + batch` for static calls, `--nocontinuous`). Their
+slot programs are compiled before the first episode (`sampler.compile_ahead`), so no compile stalls a measured
+step. Sync mode keeps its static calls (the baseline). A static call of 8 rows waits, turn by turn, for its
+slowest row and its slowest tool call; a slot waits only for its own episode's.
 
 They run interleaved (sync, async, grpo, sync, async, grpo, ...) `--rounds` times. Each run's figures come from
 WORKDIR/metrics.jsonl with the first `--skip` steps left out (compile and warm-up, reported apart):
@@ -62,12 +63,13 @@ _QUICK = flags.DEFINE_bool('quick', False, 'A couple of steps on a tiny workload
 _ROUNDS = flags.DEFINE_integer('rounds', 2, 'Interleaved rounds of all settings.')
 _STEPS = flags.DEFINE_integer('num_steps', 12, 'Learner steps per run.')
 _SKIP = flags.DEFINE_integer('skip', 3, 'First steps of a run left out of the rates (compile, warm-up).')
-_THREADS = flags.DEFINE_integer('threads', 4, 'Actor threads in async mode.')
+_THREADS = flags.DEFINE_integer('threads', 1, 'Actor threads in async mode.')
 _BATCH = flags.DEFINE_integer('batch_size', 16, 'Trajectories per learner step.')
 _CALL = flags.DEFINE_integer('call_rows', 8, 'Episodes per sampler call (GRPO: one group of G = call_rows).')
-_CONTINUOUS = flags.DEFINE_bool('continuous', False, 'Async settings: actors play through continuous batching '
-                                '(sampler.continuous) with --slots decode slots each.')
-_SLOTS = flags.DEFINE_integer('slots', 16, 'With --continuous: decode slots per actor thread (sampler.batch_size).')
+_CONTINUOUS = flags.DEFINE_bool('continuous', True, 'Async settings: actors play through continuous batching '
+                                '(sampler.continuous) with --slots decode slots each; --nocontinuous: static calls '
+                                'of --call_rows episodes.')
+_SLOTS = flags.DEFINE_integer('slots', 32, 'With --continuous: decode slots per actor thread (sampler.batch_size).')
 _DECODE_STEPS = flags.DEFINE_integer('decode_steps', 16, 'With --continuous: decode steps per device call.')
 _SETTINGS = flags.DEFINE_list('settings', list(SETTINGS), f'Which of {SETTINGS}.')
 _PROBE = flags.DEFINE_integer('probe_calls', 5, 'Sampler calls of the timing probe (0 = no probe).')
@@ -76,8 +78,8 @@ _CACHE = flags.DEFINE_string('compile_cache', os.path.join(tempfile.gettempdir()
                              'JAX persistent compilation cache (actor threads compile the same programs).')
 
 
-def bench_config(setting: str, *, quick: bool = False, threads: int = 4, batch: int = 16, call_rows: int = 8,
-                 steps: int = 12, workdir: str = '', continuous: bool = False, slots: int = 16,
+def bench_config(setting: str, *, quick: bool = False, threads: int = 1, batch: int = 16, call_rows: int = 8,
+                 steps: int = 12, workdir: str = '', continuous: bool = True, slots: int = 32,
                  decode_steps: int = 16):
   """The benchmark's trainer config for one of SETTINGS. `continuous`: the async settings' actors play through
   continuous batching with `slots` decode slots each (GRPO: whole groups of G = call_rows stream through them);
@@ -108,12 +110,14 @@ def bench_config(setting: str, *, quick: bool = False, threads: int = 4, batch: 
   c.trainer.batch_size = batch
   c.trainer.seq_buckets = (384,)
   c.trainer.queue_size = threads * call_rows + batch  # Every thread can have a call in flight.
+  c.sampler.continuous = False
   if continuous and mode == 'async':
     if slots < call_rows and algo == 'grpo':
       raise ValueError(f'slots={slots} < G={call_rows}: a GRPO group must fit in the slots.')
     c.sampler.continuous = True
     c.sampler.batch_size = slots
     c.sampler.decode_steps = decode_steps
+    c.sampler.compile_ahead = not quick  # No compile stalls the slots during the measured steps.
     c.trainer.queue_size = threads * slots + batch  # Every slot of every thread can have an episode in flight.
   c.trainer.num_steps = steps
   c.trainer.checkpoint_every = 0
@@ -254,9 +258,9 @@ def table(results: dict[str, list[dict]]) -> str:
   return '\n'.join(lines)
 
 
-def run_benchmark(*, quick: bool = False, settings=SETTINGS, rounds: int = 2, threads: int = 4, batch: int = 16,
+def run_benchmark(*, quick: bool = False, settings=SETTINGS, rounds: int = 2, threads: int = 1, batch: int = 16,
                   call_rows: int = 8, steps: int = 12, skip: int = 3, probe_calls: int = 5,
-                  json_path: str = '', continuous: bool = False, slots: int = 16,
+                  json_path: str = '', continuous: bool = True, slots: int = 32,
                   decode_steps: int = 16) -> dict[str, list[dict]]:
   """Runs the settings interleaved `rounds` times, prints the table; returns {setting: [figures per run]}.
   `quick`: 2 threads, batch 8 (divisible by the tests' 8 simulated devices) of calls of 4 (continuous: 4 slots),

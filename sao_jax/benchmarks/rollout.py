@@ -14,11 +14,8 @@ Workloads (the same episodes, the same seeds, for both runners):
   clipped to [20, 500] ms (the env sleeps, as a sandbox or a remote tool would).
 
 The static runner plays `--slots` episodes at a time, turn by turn (a turn waits for its longest generation
-and the batch's env steps); the continuous runner keeps `--slots` decode slots busy and steps envs in a thread
-pool. Env steps of the static runner run one after the other inside a turn (as `run_episodes` does on this
-branch); the `static, env steps concurrent (est.)` row subtracts from its wall time the part of each turn's
-tool time that concurrent env steps would hide (sum - max of the turn's latencies), the best a static batch can
-do. Figures: completed episodes/s and generated (action) tokens/s, median of `--repeats` interleaved runs after
+and the slowest of the batch's env steps, which run concurrently); the continuous runner keeps `--slots` decode
+slots busy and steps envs in a thread pool. Figures: completed episodes/s and generated (action) tokens/s, median of `--repeats` interleaved runs after
 one warm-up run of each (compilation excluded), with the machine's load average printed alongside, and the
 process CPU seconds of each (on a machine loaded by others the CPU ratio is the steadier figure). For the
 continuous runner a line per run says its decode steps, chunks, admissions and the CPU seconds in each.
@@ -152,16 +149,6 @@ def main(argv):
     return run_continuous(slot_sampler, tok, envs, limits=limits, decoding=decoding, seeds=seeds[:len(envs)],
                           refill_rows=_REFILL_ROWS.value or None)
 
-  def hidden_tool_time(envs):
-    """Tool time a static batch would hide with concurrent env steps: per batch and turn, sum - max."""
-    total = 0.0
-    for i in range(0, len(envs), slots_n):
-      batch = envs[i:i + slots_n]
-      for k in range(max(len(e.slept) for e in batch)):
-        lat = [e.slept[k] for e in batch if len(e.slept) > k]
-        total += sum(lat) - max(lat)
-    return total
-
   # Where the continuous runner's time goes: device calls, decode steps run, CPU seconds in each kind of call.
   calls = collections.defaultdict(float)
 
@@ -184,7 +171,7 @@ def main(argv):
   print('|---|---|---|---|---|---|---|---|---|')
   for kind in _WORKLOADS.value:
     work = _workload(kind, n, rng)
-    runs = {'static': [], 'continuous': [], 'static_est': []}
+    runs = {'static': [], 'continuous': []}
     tokens = 0
     for r in range(_REPEATS.value + 1):
       for label, fn in (('static', run_static), ('continuous', run_cont)):
@@ -197,9 +184,7 @@ def main(argv):
         if r == 0:
           continue  # Warm-up (compiles the static sampler's programs).
         runs[label].append((wall, tokens, cpu))
-        if label == 'static':
-          runs['static_est'].append((wall - hidden_tool_time(envs), tokens, cpu))
-        else:
+        if label == 'continuous':
           print(f'# {kind} continuous run {r}: {calls["decode_steps"]:.0f} decode steps in {calls["decode_calls"]:.0f} '
                 f'chunks, {calls["admit_calls"]:.0f} admissions; CPU s: decode {calls["decode_cpu"]:.2f}, admit '
                 f'{calls["admit_cpu"]:.2f}, rest {cpu - calls["decode_cpu"] - calls["admit_cpu"]:.2f}')
@@ -211,11 +196,7 @@ def main(argv):
     load = _load_average()
     base_wall = statistics.median(v[0] for v in runs['static'])
     base_cpu = statistics.median(v[2] for v in runs['static'])
-    rows = [('static', runs['static'])]
-    if kind != 'single':
-      rows.append(('static, env steps concurrent (est.)', runs['static_est']))
-    rows.append(('continuous', runs['continuous']))
-    for label, vals in rows:
+    for label, vals in runs.items():
       wall = statistics.median(v[0] for v in vals)
       toks = statistics.median(v[1] for v in vals)
       cpu = statistics.median(v[2] for v in vals)

@@ -22,9 +22,12 @@ own write slot and RoPE positions) and two kinds of jitted programs:
   per chunk to hold every active slot's history and chunk), scattered back once per chunk.
 
 So the number of compiled programs is fixed by the slot count: at most `len(P buckets) x len(chunk_buckets) x
-len(admit_windows)` admit programs and `len(P buckets) x len(windows)` decode programs, all compiled by
-`warmup`; slots come and go without a recompile
-(`num_compiled` counts them).
+len(admit_windows)` admit programs and `len(P buckets) x len(windows)` decode programs; slots come and go without
+a recompile. The programs are module-level jitted functions keyed by their static settings and shapes, so every
+`SlotSampler` of a process with the same model, slot count and lengths (two actor threads, a second trainer run)
+uses the same compiled programs: each compiles once per process (and, with a persistent compilation cache,
+loads from disk in the next one). A program compiles at its first use (`warmup` compiles them all up front);
+`num_compiled` counts the programs an instance has used, `compiled_programs` those of the process.
 
 Between chunks the host admits newcomers into free slots: a turn that ends frees nothing but its decode
 row (the slot keeps the episode's history until the episode ends), so the next turn of another episode or a
@@ -44,7 +47,6 @@ not depend on the slot it runs in or on its neighbours; `logprobs` are temperatu
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Protocol, Sequence
 
 import jax
@@ -53,7 +55,7 @@ import numpy as np
 
 from sao_jax.models import sampling
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.decode import DecodeCache, DecodeWeights, forward, init_cache, last_logits, resize_cache
+from sao_jax.models.decode import DecodeCache, DecodeWeights, forward, init_cache, last_logits
 from sao_jax.models.sampler import StaticSettings, WeightsSnapshot, decode_windows, is_stop
 from sao_jax.models.sampling import SamplingParams
 
@@ -126,6 +128,18 @@ def _decode_impl(st: StaticSettings, num_steps: int, weights: DecodeWeights, cac
                       index=cache.index.at[rows].set(small.index, mode='drop'),
                       positions=cache.positions.at[rows].set(small.positions, mode='drop'))
   return cache, tokens, lps, slps, active, lengths, last, steps
+
+
+# The programs, shared by every SlotSampler of the process (module docstring): one compiled program per static
+# settings (model, sampling, window; decode steps) and argument shapes (slot count, row and chunk buckets).
+_admit = jax.jit(_admit_impl, static_argnums=(0,), donate_argnums=(2,))
+_decode = jax.jit(_decode_impl, static_argnums=(0, 1), donate_argnums=(3,))
+_init_cache = jax.jit(init_cache, static_argnums=(0, 1, 2), static_argnames=('per_row_index',))
+
+
+def compiled_programs() -> dict[str, int]:
+  """Programs compiled so far in this process by all SlotSamplers together (admit, decode)."""
+  return {'admit': _admit._cache_size(), 'decode': _decode._cache_size()}
 
 
 class SnapshotSource(Protocol):
@@ -221,11 +235,9 @@ class SlotSampler:
     self.admit_windows = tuple(range(step, self.cache_len, step)) + (self.cache_len,)
     # Admission rows: powers of 4 up to the slot count (few programs; a partly filled admission is cheap).
     self.row_buckets = tuple(sorted({min(4 ** k, self.num_slots) for k in range(16) if 4 ** (k - 1) < self.num_slots}))
-    fresh = functools.partial
-    self._admit = jax.jit(fresh(_admit_impl), static_argnums=(0,), donate_argnums=(2,))
-    self._decode = jax.jit(fresh(_decode_impl), static_argnums=(0, 1), donate_argnums=(3,))
-    self._cache = jax.jit(fresh(init_cache), static_argnums=(0, 1, 2), static_argnames=('per_row_index',))(
-        self.cfg, self.num_slots, self.cache_len, per_row_index=True)
+    self._cache = _init_cache(self.cfg, self.num_slots, self.cache_len, per_row_index=True)
+    # (kind, static settings, row bucket, chunk bucket or decode steps) of every program this instance has run.
+    self._used: set[tuple] = set()
     b = self.num_slots
     self.fill = np.zeros((b,), np.int64)  # Tokens each slot holds (host mirror of cache.index).
     self.pending = np.zeros((b,), np.int32)  # Last generated token, not in the cache yet.
@@ -239,8 +251,10 @@ class SlotSampler:
   # ---- Introspection.
 
   def num_compiled(self) -> dict[str, int]:
-    """Compiled programs per jitted function."""
-    return {'admit': self._admit._cache_size(), 'decode': self._decode._cache_size()}
+    """Distinct programs (static settings and shapes) this instance has run, per kind: what it compiled, or
+    found compiled by another instance of the process (`compiled_programs` counts the process's)."""
+    kinds = [key[0] for key in self._used]
+    return {'admit': kinds.count('admit'), 'decode': kinds.count('decode')}
 
   @property
   def version(self) -> int:
@@ -256,6 +270,14 @@ class SlotSampler:
   def _static(self, params: SamplingParams, window: int) -> StaticSettings:
     return StaticSettings(self.cfg, params, self.stop_ids, self.pad_id, window)
 
+  def _run_admit(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, chunk: np.ndarray, *args):
+    self._used.add(('admit', st, rows.shape[0], chunk.shape[1]))
+    return _admit(st, weights, self._cache, rows, chunk, *args)
+
+  def _run_decode(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, *args):
+    self._used.add(('decode', st, rows.shape[0], self.decode_steps))
+    return _decode(st, self.decode_steps, weights, self._cache, rows, *args)
+
   # ---- Warm-up.
 
   def warmup(self, params: SamplingParams) -> None:
@@ -266,15 +288,14 @@ class SlotSampler:
         for w in [w for w in self.admit_windows if t <= w]:
           rows = np.full((p,), self.num_slots, np.int32)
           zeros = np.zeros((p,), np.int32)
-          self._cache, *_ = self._admit(self._static(params, w), snapshot.weights, self._cache,
-                                        rows, np.zeros((p, t), np.int32), np.zeros((p, t), bool), zeros,
-                                        np.ones((p,), bool), zeros.astype(np.uint32))
+          self._cache, *_ = self._run_admit(self._static(params, w), snapshot.weights, rows,
+                                            np.zeros((p, t), np.int32), np.zeros((p, t), bool), zeros,
+                                            np.ones((p,), bool), zeros.astype(np.uint32))
     for r in self.row_buckets:
       for w in self.windows:
         zeros = np.zeros((r,), np.int32)
-        out = self._decode(self._static(params, w), self.decode_steps, snapshot.weights, self._cache,
-                           np.full((r,), self.num_slots, np.int32), zeros, np.zeros((r,), bool), zeros, zeros,
-                           zeros.astype(np.uint32), np.int32(r + 1))
+        out = self._run_decode(self._static(params, w), snapshot.weights, np.full((r,), self.num_slots, np.int32),
+                               zeros, np.zeros((r,), bool), zeros, zeros, zeros.astype(np.uint32), np.int32(r + 1))
         self._cache = out[0]
     jax.block_until_ready(self._cache)
 
@@ -328,8 +349,8 @@ class SlotSampler:
           rows[j], lengths[j], reset[j] = a.slot, len(c), a.new and r == 0
           chunk[j, :len(c)], valid[j, :len(c)] = c, True
           seeds[j] = (a.seed % (1 << 32)) if a.new else self.seeds[a.slot]
-        self._cache, tok, lp, slp = self._admit(self._static(params, window), snapshot.weights, self._cache,
-                                                rows, chunk, valid, lengths, reset, seeds)
+        self._cache, tok, lp, slp = self._run_admit(self._static(params, window), snapshot.weights, rows, chunk,
+                                                    valid, lengths, reset, seeds)
         calls.append((r, part, (tok, lp, slp)))
     first = {}
     for (r, part, _), (tok, lp, slp) in zip(calls, jax.device_get([c[2] for c in calls])):
@@ -371,9 +392,9 @@ class SlotSampler:
     window = next(w for w in self.windows if need <= w)
     # `free_target` counts free slots of all B; the chunk counts inactive rows of its R (B - n are not in it).
     target = r + 1 if free_target is None else free_target - (self.num_slots - r)
-    out = self._decode(self._static(params, window), self.decode_steps, snapshot.weights, self._cache,
-                       rows, gather(self.last), gather(was_active), gather(self.lengths), gather(self.budgets),
-                       gather(self.seeds), np.int32(target))
+    out = self._run_decode(self._static(params, window), snapshot.weights, rows, gather(self.last),
+                           gather(was_active), gather(self.lengths), gather(self.budgets), gather(self.seeds),
+                           np.int32(target))
     self._cache = out[0]
     tokens, lps, slps, active, lengths, last, _ = jax.device_get(out[1:])
     results = []

@@ -9,6 +9,12 @@
 With `continuous=True` (`config.sampler.continuous`) the actor plays through continuous batching
 (`sao_jax.rollout.continuous`): `episodes_per_call` decode slots refilled as episodes end; in async mode its
 thread streams (a prompt enters when a slot frees and the queue has room; an item is put when its episodes end).
+With `max_staleness` (async mode) the thread also ends, between device calls, every episode in flight that the
+queue's staleness filter is bound to drop (its first token's version is below the published version minus
+`max_staleness`: versions only grow) and counts it in `dropped_stale`: its slot takes a fresh episode at once
+instead of finishing doomed turns and tool calls (GRPO: the whole group goes, as the queue would drop it).
+The slot sampler's programs compile at their first use, or all before the first episode with `compile_ahead`
+(`config.sampler.compile_ahead`); they are shared by every actor of the process.
 
 Weights. `WeightPublisher.publish` copies the learner's policy state onto the actors' sharding (one jitted
 copy, dispatched asynchronously: the learner does not wait for it, and the copy survives the learner donating
@@ -181,14 +187,19 @@ class Actor:
       slots of a `SlotSampler` over the backend's sampler (same weights), refilled as episodes end; newer
       weights are taken between decode chunks ('turn') or between episodes ('episode').
     decode_steps: decode steps per continuous chunk (`config.sampler.decode_steps`).
-    slot_sampler: an existing `SlotSampler` over `backend.sampler` to reuse (keeps its compiled programs).
+    slot_sampler: an existing `SlotSampler` over `backend.sampler` to reuse.
+    max_staleness: continuous batching in async mode (`config.trainer.max_staleness`): episodes in flight that
+      the staleness filter would drop are ended early and counted (module docstring); None: never.
+    compile_ahead: continuous batching: `warmup` compiles every slot program (`config.sampler.compile_ahead`);
+      otherwise each compiles at its first use.
   """
 
   def __init__(self, backend: SamplerBackend, tokenizer: Tokenizer, task: Task, prompts: PromptSource, *,
                publisher: WeightPublisher, limits: EpisodeLimits, decoding: SamplingParams, seed: int,
                group_size: int = 1, episodes_per_call: int = 16, weight_switch: str = 'turn',
                step_timeout_s: float | None = None, continuous: bool = False, decode_steps: int = 16,
-               slot_sampler: SlotSampler | None = None):
+               slot_sampler: SlotSampler | None = None, max_staleness: int | None = None,
+               compile_ahead: bool = False):
     if weight_switch not in WEIGHT_SWITCHES:
       raise ValueError(f'weight_switch={weight_switch!r} is not one of {WEIGHT_SWITCHES}.')
     self.backend = _FollowingBackend(backend, publisher, per_turn=weight_switch == 'turn')
@@ -202,6 +213,9 @@ class Actor:
     self.prompts_per_call = max(1, int(episodes_per_call) // self.group_size)
     self.step_timeout_s = step_timeout_s
     self.generated_tokens = 0  # Action tokens generated so far (the trainer's actor tokens/s).
+    self.max_staleness = None if max_staleness is None else int(max_staleness)
+    self.compile_ahead = bool(compile_ahead)
+    self.dropped_stale = 0  # Trajectories ended in flight because they could only come back too stale.
     self.runner: ContinuousRunner | None = None
     if continuous:
       slots = slot_sampler or SlotSampler(backend.sampler, num_slots=self.prompts_per_call * self.group_size,
@@ -272,10 +286,31 @@ class Actor:
         items.append(self._groups.pop(number))
     return items
 
+  def drop_stale(self) -> int:
+    """Ends the episodes in flight that the staleness filter is bound to drop (module docstring); returns how
+    many trajectories will not come (whole groups), also added to `dropped_stale`."""
+    if self.max_staleness is None or self.runner is None:
+      return 0
+    floor = self.backend.publisher.version - self.max_staleness
+    keys = self.runner.drop_older_than(floor)
+    if not keys:
+      return 0
+    n = len(keys)
+    if self.group_size > 1:  # The group's other rollouts (waiting, running or finished) go with it.
+      numbers = {number for number, _ in keys}
+      n += len(self.runner.drop(lambda key, oldest: key[0] in numbers))
+      n += sum(len(self._groups.pop(number, [])) for number in numbers)
+    self.dropped_stale += n
+    logging.info('%d episode(s) in flight ended: they started before version %d, past trainer.max_staleness=%d '
+                 'of the published version %d.', n, floor, self.max_staleness, floor + self.max_staleness)
+    return n
+
   def warmup(self) -> None:
-    """Compiles the continuous runner's programs (every slot-row bucket and window), so that none compiles
-    while episodes run (a compile stalls every slot of the actor)."""
-    self.runner.slots.warmup(self.decoding)
+    """With `compile_ahead`: compiles the continuous runner's programs (every slot-row bucket and window), so
+    that none compiles while episodes run (a compile stalls every slot of the actor). Otherwise nothing: each
+    compiles at its first use."""
+    if self.compile_ahead:
+      self.runner.slots.warmup(self.decoding)
 
   def abandon(self) -> int:
     """Drops every episode in flight (after a failure); returns how many trajectories will not come."""
@@ -351,7 +386,7 @@ class ActorThread(threading.Thread):
   def _run_continuous(self) -> None:
     """Continuous batching: prompts enter as slots free up (each reserving its room in the queue first) and
     items are put as their episodes finish; no call boundary, so no slot waits for a batch to drain. The slot
-    sampler's programs are compiled first (`Actor.warmup`)."""
+    sampler's programs are compiled first with `compile_ahead` (`Actor.warmup`)."""
     actor, g = self.actor, self.actor.group_size
     consecutive = 0
     try:
@@ -362,9 +397,12 @@ class ActorThread(threading.Thread):
         return
     while not self._stop_event.is_set():
       try:
-        while actor.room() > 0 and self.queue.reserve(g, timeout=0.0 if actor.runner.pending else 1.0):
+        dropped = actor.drop_stale()  # Doomed episodes give back their room (counted by the actor).
+        if dropped:
+          self.queue.release(dropped)
+        while actor.room() > 0 and self.queue.reserve(g, timeout=0.0 if actor.runner.busy else 1.0):
           actor.submit(1)
-        if not actor.runner.pending:
+        if not actor.runner.busy:
           continue
         items = actor.collect()
       except QueueClosed:

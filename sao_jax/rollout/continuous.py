@@ -25,6 +25,11 @@ The per-episode steps (prompt rendering, budgets, turn recording, env step, cuts
 are the static runner's (`episodes.start_episode`, `turn_budget`, `absorb`, `finish`), so both produce the
 same `Trajectory` for the same tokens: with greedy decoding, the same tokens (tests check it).
 
+Doomed episodes: `drop_older_than(version)` ends every running episode whose oldest token's version is below
+`version` (the actor calls it with the learner version minus `max_staleness`: such an episode's trajectory
+would be dropped as stale whatever it does next, so its slot goes to a fresh episode now instead of after its
+remaining turns and tool calls) and returns their keys; the caller counts them.
+
 Weights: `follower.refresh()` is called before every device call (a swap takes effect between decode
 chunks; every token records the version that generated it: `Trajectory.info['token_versions']` lists them
 for the action tokens in order, and a turn's version is the oldest of its tokens'). With
@@ -69,6 +74,7 @@ class _Running:
   logprobs: list[float] = dataclasses.field(default_factory=list)
   policy_logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
+  oldest_version: int | None = None  # Of the episode's first token (versions only grow); None before it.
 
 
 class ContinuousRunner:
@@ -114,6 +120,7 @@ class ContinuousRunner:
     self._env_steps: dict[concurrent.futures.Future, int] = {}
     self._admissions: list[Admission] = []
     self._draining = False
+    self._dropped: set[int] = set()  # Slots of dropped episodes whose env step is still running.
 
   def close(self) -> None:
     self._pool.shutdown(wait=False, cancel_futures=True)
@@ -141,8 +148,43 @@ class ContinuousRunner:
     return len(self._waiting) + len(self._running)
 
   @property
+  def busy(self) -> bool:
+    """Episodes are pending, or dropped ones' env steps still hold their slots (`step` frees them)."""
+    return bool(self.pending or self._dropped)
+
+  @property
   def free_slots(self) -> int:
-    return self.slots.num_slots - len(self._running) - len(self._waiting)
+    return self.slots.num_slots - len(self._running) - len(self._dropped) - len(self._waiting)
+
+  def drop(self, select: Callable[[Hashable, int | None], bool]) -> list[Hashable]:
+    """Ends every waiting or running episode for which `select(key, oldest_version)` is true (`oldest_version`:
+    the version of its first token, None before it has one) and returns their keys. A dropped episode's slot
+    is free at once, or, while its env step runs, when that ends (its result is discarded)."""
+    keys = []
+    waiting, self._waiting = self._waiting, collections.deque()
+    for item in waiting:
+      if select(item[0], None):
+        keys.append(item[0])
+      else:
+        self._waiting.append(item)
+    doomed = [s for s, run in self._running.items() if select(run.key, run.oldest_version)]
+    if not doomed:
+      return keys
+    stepping = set(self._env_steps.values())
+    self._admissions = [a for a in self._admissions if a.slot not in doomed]
+    for slot in doomed:
+      keys.append(self._running.pop(slot).key)
+      del self._rules[slot]
+      if slot in stepping:
+        self._dropped.add(slot)
+      else:
+        self.slots.release(slot)
+    return keys
+
+  def drop_older_than(self, version: int) -> list[Hashable]:
+    """Drops (`drop`) the running episodes whose first token came from a version below `version` (module
+    docstring); returns their keys."""
+    return self.drop(lambda key, oldest: oldest is not None and oldest < version)
 
   def step(self) -> list[tuple[Hashable, types.Trajectory]]:
     """One round of the loop (harvest, fill, admit, decode); returns the episodes that finished in it."""
@@ -185,6 +227,9 @@ class ContinuousRunner:
     self._waiting.clear()
     self._running.clear()
     self._env_steps.clear()
+    for slot in self._dropped:
+      self.slots.release(slot)
+    self._dropped.clear()
     self._admissions = []
     self._draining = False
 
@@ -197,6 +242,10 @@ class ContinuousRunner:
       concurrent.futures.wait(list(self._env_steps), return_when=concurrent.futures.FIRST_COMPLETED)
     for fut in [f for f in self._env_steps if f.done()]:
       slot = self._env_steps.pop(fut)
+      if slot in self._dropped:  # Its episode was dropped while the env stepped: the result is not wanted.
+        self._dropped.discard(slot)
+        self.slots.release(slot)
+        continue
       run = self._running[slot]
       obs = fut.result()  # An error escaping `absorb` (a broken env contract) stops the run, as in run_episodes.
       if obs is None:
@@ -217,7 +266,7 @@ class ContinuousRunner:
           self._draining = False
     if self._draining:
       return
-    free = [s for s in range(self.slots.num_slots) if s not in self._running]
+    free = [s for s in range(self.slots.num_slots) if s not in self._running and s not in self._dropped]
     while free and self._waiting:
       key, env, seed, group_id, rules = self._waiting.popleft()
       ep = start_episode(env, group_id, rules)
@@ -237,6 +286,8 @@ class ContinuousRunner:
       self._running[slot].episode.generate_seconds += seconds
     for r in results:
       run = self._running[r.slot]
+      if run.oldest_version is None:
+        run.oldest_version = r.version
       run.ids += r.ids
       run.logprobs += r.sampling_logprobs
       run.policy_logprobs += r.logprobs

@@ -43,7 +43,9 @@ class BenchConfigTest(absltest.TestCase):
       self.assertEqual(c.sampler.batch_size, 24 if cont else 8)  # Slots per actor, or the static call's rows.
       self.assertEqual(c.trainer.queue_size, 2 * 24 + 16 if cont else 2 * 8 + 16)
       self.assertEqual(c.trainer.batch_size, 16)  # The learner's work does not change.
-    self.assertFalse(loop.bench_config('async').sampler.continuous)
+    self.assertTrue(loop.bench_config('async').sampler.continuous)  # The default, as in configs/base.py.
+    for setting in loop.SETTINGS:  # Static calls everywhere (whatever configs/base.py's default).
+      self.assertFalse(loop.bench_config(setting, continuous=False).sampler.continuous)
     with self.assertRaisesRegex(ValueError, 'GRPO group'):
       loop.bench_config('grpo', continuous=True, slots=4, call_rows=8)
 

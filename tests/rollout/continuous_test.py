@@ -14,6 +14,7 @@ import numpy as np
 from sao_jax import rollout
 from sao_jax.envs import base
 from sao_jax.models import logprobs as logprobs_lib
+from sao_jax.models import continuous as continuous_lib
 from sao_jax.models.continuous import Admission, SlotSampler
 from sao_jax.models.sampling import SamplingParams
 from sao_jax.rollout import actor as actor_lib
@@ -83,8 +84,26 @@ class ContinuousTest(absltest.TestCase):
     self.assertEqual(self.slots.admit_windows, (128, 192))
     self.assertEqual(self.compiled, {'admit': 2 * 2 * 1 * 2, 'decode': 2 * 2 * 2})
 
+  def test_samplers_of_a_process_share_their_programs(self):
+    """A second SlotSampler of the same model and shapes (another actor, another trainer run) compiles nothing:
+    its warm-up runs the first one's programs; one of another slot count compiles its own."""
+    before = continuous_lib.compiled_programs()
+    twin = SlotSampler(self.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=self.backend.stop_ids,
+                       pad_id=self.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2,
+                       num_admit_windows=2)
+    self.assertEqual(twin.num_compiled(), {'admit': 0, 'decode': 0})
+    twin.warmup(_GREEDY)
+    self.assertEqual(twin.num_compiled(), {'admit': 4, 'decode': 4})
+    self.assertEqual(continuous_lib.compiled_programs(), before)
+    other = SlotSampler(self.backend.sampler, num_slots=3, max_seq_len=128, stop_ids=self.backend.stop_ids,
+                        pad_id=self.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2,
+                        num_admit_windows=2)
+    other.admit([Admission(0, [5, 6, 7], new=True, budget=2)], _GREEDY)
+    self.assertEqual(continuous_lib.compiled_programs(), {'admit': before['admit'] + 1, 'decode': before['decode']})
+
   def test_greedy_episodes_equal_the_static_sampler_in_any_arrival_order(self):
     n = len(self.examples)
+    compiled = continuous_lib.compiled_programs()
     want = rollout.run_episodes(self.backend, self.tok, self._envs(range(n)), limits=self.limits,
                                 decoding=_GREEDY, seeds=list(range(n)), group_ids=list(range(n)))
     self.assertGreaterEqual(sum(t.info['num_turns'] >= 2 for t in want), 2, [t.info for t in want])
@@ -102,6 +121,7 @@ class ContinuousTest(absltest.TestCase):
           g.info.pop('token_versions')
           self.assertEqual(g.info, w.info)
     self.assertEqual(self.slots.num_compiled(), self.compiled)  # Slots refilled without a recompile.
+    self.assertEqual(continuous_lib.compiled_programs(), compiled)
 
   def test_logprobs_are_those_of_the_plain_forward(self):
     """Sampling at temperature 0.7: behaviour = log q (tempered forward), policy = log pi (forward at T=1)."""
@@ -212,6 +232,94 @@ class ContinuousTest(absltest.TestCase):
         if key == 'fast':
           released.set()
     self.assertEqual(finished, ['fast', 'slow'])
+
+  def test_dropped_episodes_free_their_slots_and_the_others_run_on(self):
+    """`drop_older_than(5)` ends the episodes whose first token came from version 4: one whose env step is still
+    running keeps its slot until the step ends (its result discarded), while the other slot runs the episodes
+    that come after, at version 5, exactly as the static sampler plays them."""
+    stepping, released = threading.Event(), threading.Event()
+
+    def on_step(env):
+      if env.example.uid == '0':
+        stepping.set()
+        self.assertTrue(released.wait(timeout=60), 'never released')
+
+    task = helpers.EchoTask(self.examples, 'message', self.stop_texts, 3, on_step)
+    runner = ContinuousRunner(self.slots, self.tok, limits=self.limits, decoding=_GREEDY)
+    self.addCleanup(runner.close)
+    self.addCleanup(self.backend.update_weights, self.model, version=4)
+    runner.submit([task.make_env(self.examples[i]) for i in (0, 1, 2, 3)], seeds=[0, 1, 2, 3], keys=[0, 1, 2, 3])
+    done = {}
+    for _ in range(100):  # Episodes 0 and 1 start at version 4; run until episode 0's first env step is running.
+      done.update(runner.step())
+      if stepping.is_set():
+        break
+    self.assertTrue(stepping.is_set())
+    self.assertEmpty(done)
+    self.backend.update_weights(self.model, version=5)  # The same weights: the episodes are the static ones.
+    self.assertEqual(runner.drop_older_than(4), [])
+    dropped = runner.drop_older_than(5)
+    self.assertIn(0, dropped)
+    self.assertSameElements(dropped, [0, 1])
+    self.assertTrue(runner.busy)
+    for _ in range(500):  # Episodes 2 and 3 run in the one free slot while episode 0's env step holds the other.
+      done.update(runner.step())
+      if len(done) == 2:
+        break
+    self.assertSameElements(done, [2, 3])
+    self.assertEqual(runner.free_slots, 1)
+    released.set()
+    for _ in range(500):
+      if not runner.busy:
+        break
+      done.update(runner.step())
+    self.assertFalse(runner.busy)
+    self.assertSameElements(done, [2, 3])  # Episode 0's env step ended: its result was discarded.
+    self.assertEqual(runner.free_slots, 2)
+    self.assertFalse(self.slots.active.any())
+    n = len(self.examples)  # The greedy test's static call (its compiled shapes).
+    want = rollout.run_episodes(self.backend, self.tok, self._envs(range(n)), limits=self.limits, decoding=_GREEDY,
+                                seeds=list(range(n)))
+    for key in (2, 3):
+      np.testing.assert_array_equal(done[key].tokens, want[key].tokens)
+      self.assertEqual(set(done[key].info['token_versions']), {5})
+
+  def test_actor_drops_whole_groups_bound_to_be_stale(self):
+    """With `max_staleness=1`, once version 6 is published every group with a rollout started at version 4 is
+    dropped whole (its finished, running and waiting rollouts) and counted; the next prompt plays at version 6."""
+    self.addCleanup(self.backend.update_weights, self.model, version=4)
+    publisher = actor_lib.WeightPublisher()
+    publisher.publish(self.model, version=4)
+    prompts = actor_lib.PromptSource(itertools.cycle(self.examples))
+    actor = actor_lib.Actor(self.backend, self.tok, self.task, prompts, publisher=publisher, limits=self.limits,
+                            decoding=_SAMPLED, seed=1, group_size=2, episodes_per_call=2, continuous=True,
+                            slot_sampler=self.slots, max_staleness=1)
+    actor.submit(2)  # Prompts 0 and 1: four rollouts in two slots.
+    for _ in range(200):  # Until one rollout of prompt 0 has finished and its group waits for the other.
+      self.assertEmpty(actor.collect())
+      if actor._groups:  # pylint: disable=protected-access
+        break
+    self.assertEqual(list(actor._groups), [0])  # pylint: disable=protected-access
+    self.assertEqual(actor.drop_stale(), 0)  # Version 4 is not past the bound yet.
+    publisher.publish(self.model, version=5)
+    self.assertEqual(actor.drop_stale(), 0)  # 5 - 4 <= max_staleness.
+    publisher.publish(self.model, version=6)
+    # Prompt 0: one finished rollout, one running; prompt 1: one started at version 4 (in the freed slot), one
+    # waiting. Both groups are bound to be stale: all four trajectories are dropped.
+    self.assertEqual(actor.drop_stale(), 4)
+    self.assertEqual(actor.dropped_stale, 4)
+    self.assertFalse(actor.runner.pending)
+    self.assertEmpty(actor._groups)  # pylint: disable=protected-access
+    actor.submit(1)
+    items = []
+    for _ in range(500):
+      items += actor.collect()
+      if not actor.runner.busy:
+        break
+    (item,) = items
+    self.assertEqual([t.info['prompt_number'] for t in item], [2, 2])
+    self.assertEqual([t.policy_version for t in item], [6, 6])
+    self.assertEqual(actor.drop_stale(), 0)
 
   def test_actor_streams_whole_groups_of_the_static_episodes(self):
     """The Actor with `continuous=True`: `play` (sync mode) and its thread's streaming loop (async mode) give
