@@ -87,13 +87,14 @@ class OptimHParams:
   compiled into it, so runs (and sweeps) that differ only in these values share one compiled program.
 
   What changes the program stays in `config.optim` and is read when the optimizer is built (`optimizer_at`):
-  `optimizer` (adamw / sgd), `schedule` (constant / cosine) and whether `grad_clip > 0`.
+  `optimizer` (adamw / sgd) and whether `grad_clip > 0`. The constant schedule is the cosine with floor f = 1
+  (exactly the peak: `(1 - 1) * cos + 1 = 1`), so both schedules run one program.
 
   Attributes:
     lr: peak learning rate.
     warmup_steps: W, linear warmup from 0 over the first W optimizer steps.
     decay_steps: D = N - W, the cosine's length (N: `total_steps`, or the run's updates); 1 when constant.
-    end_lr_factor: f, the cosine's floor as a fraction of the peak.
+    end_lr_factor: f, the cosine's floor as a fraction of the peak; 1 when constant.
     b1, b2, eps, weight_decay: AdamW's.
     grad_clip: the global-norm clip (read only when `config.optim.grad_clip > 0`).
   """
@@ -121,7 +122,7 @@ def optim_hparams(optim_config: Any, peak_lr: float, run_steps: int | None = Non
   o = optim_config
   check_optim(o)
   warmup = int(o.warmup_steps)
-  decay = 1
+  decay, floor = 1, 1.0  # The constant schedule: the cosine at its floor f = 1.
   if o.schedule == 'cosine':
     horizon = int(o.total_steps) or int(run_steps or 0)
     if not horizon:
@@ -129,25 +130,23 @@ def optim_hparams(optim_config: Any, peak_lr: float, run_steps: int | None = Non
                         'set config.optim.total_steps, or build the optimizer through the Learner.')
     if not int(o.total_steps):
       _check_run_horizon(o, horizon, 'this optimizer')
-    decay = horizon - warmup
+    decay, floor = horizon - warmup, float(o.end_lr_factor)
   f32 = np.float32
   return OptimHParams(lr=f32(peak_lr), warmup_steps=f32(max(warmup, 0)), decay_steps=f32(decay),
-                      end_lr_factor=f32(o.end_lr_factor), b1=f32(o.b1), b2=f32(o.b2), eps=f32(o.eps),
+                      end_lr_factor=f32(floor), b1=f32(o.b1), b2=f32(o.b2), eps=f32(o.eps),
                       weight_decay=f32(o.weight_decay), grad_clip=f32(o.grad_clip))
 
 
-def schedule_at(optim_config: Any, hp: OptimHParams) -> optax.Schedule:
-  """Learning rate per optimizer step, `config.optim.schedule` with the values of `hp` (host or traced).
+def schedule_at(hp: OptimHParams) -> optax.Schedule:
+  """Learning rate per optimizer step from the values of `hp` (host or traced).
 
-  `lr(s) = peak * s / W` for `s < W` (W = `warmup_steps`), then `peak` (constant) or
-  `peak * (f + (1 - f) * (1 + cos(pi * min(s - W, D) / D)) / 2)` (cosine; f = `end_lr_factor`, D =
-  `decay_steps`), written as optax's `linear_schedule`, `cosine_decay_schedule` and `join_schedules`.
+  `lr(s) = peak * s / W` for `s < W` (W = `warmup_steps`), then
+  `peak * (f + (1 - f) * (1 + cos(pi * min(s - W, D) / D)) / 2)` (f = `end_lr_factor`, D = `decay_steps`;
+  f = 1: constant), written as optax's `linear_schedule`, `cosine_decay_schedule` and `join_schedules`.
   """
   peak, warmup = hp.lr, hp.warmup_steps
 
   def after(count):
-    if optim_config.schedule == 'constant':
-      return peak * jnp.ones_like(count, jnp.float32)
     count = jnp.minimum(count, hp.decay_steps)
     cosine = 0.5 * (1 + jnp.cos(jnp.pi * count / hp.decay_steps))
     return peak * ((1 - hp.end_lr_factor) * cosine + hp.end_lr_factor)
@@ -161,11 +160,11 @@ def schedule_at(optim_config: Any, hp: OptimHParams) -> optax.Schedule:
 
 def optimizer_at(optim_config: Any, hp: OptimHParams) -> optax.GradientTransformation:
   """`clip_by_global_norm(grad_clip)` (when `config.optim.grad_clip > 0`) then AdamW (or SGD:
-  `p <- p - lr * g`) with `schedule_at(optim_config, hp)`; every value from `hp` (host or traced), the
+  `p <- p - lr * g`) with `schedule_at(hp)`; every value from `hp` (host or traced), the
   structure (and so the optimizer state's tree) from `config.optim` alone."""
   o = optim_config
   name = o.get('optimizer', 'adamw')
-  lr = schedule_at(o, hp)
+  lr = schedule_at(hp)
   if name == 'adamw':
     tx = optax.adamw(lr, b1=hp.b1, b2=hp.b2, eps=hp.eps, weight_decay=hp.weight_decay)
   else:
@@ -181,7 +180,7 @@ def make_schedule(optim_config: Any, peak_lr: float, run_steps: int | None = Non
   Raises:
     ConfigError: `optim_hparams`'.
   """
-  return schedule_at(optim_config, optim_hparams(optim_config, peak_lr, run_steps))
+  return schedule_at(optim_hparams(optim_config, peak_lr, run_steps))
 
 
 def make_optimizer(optim_config: Any, peak_lr: float, run_steps: int | None = None
