@@ -11,6 +11,7 @@ from typing import Any
 # bucket and one sequence bucket of 224 hold any of them plus a turn.
 TINY: dict[str, Any] = {
     'model.name': 'tiny',
+    'model.hf_dir': '',  # No checkpoint's weights (configs/smollm2_arith.py names one): the random tiny model.
     'model.tokenizer': 'char',
     'task.eval_size': 2,
     'sampler.batch_size': 8,

@@ -32,6 +32,7 @@ import dataclasses
 from typing import Any
 
 from absl import logging
+import numpy as np
 
 from sao_jax.errors import ConfigError
 
@@ -199,9 +200,19 @@ def check_config(config: Any) -> None:
                       'config.trainer.minibatch_size, or config.trainer.batch_size when 0), or be 0.')
 
 
+# StepConfig's numbers that are inputs of the jitted update (`StepConfig.hparams`), not constants compiled into
+# it: runs that differ only in these (configs, ablations, sweeps of a band or a coefficient) share one program.
+# What they switch on or off stays static (`kl_coef > 0` builds a reference model, `entropy_coef != 0` adds a
+# term, `value_clip_eps > 0` clips, `lam_policy < 0` picks the adaptive lambda): only their values are inputs.
+RUNTIME_FIELDS = ('eps_low', 'eps_high', 'dual_clip_c', 'gamma', 'lam_critic', 'lam_policy', 'adaptive_alpha',
+                  'value_clip_eps', 'tis_cap', 'icepop_low', 'icepop_high', 'kl_coef', 'entropy_coef',
+                  'critic_warmup_steps')
+
+
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-  """Hashable settings of the jitted update steps (see `configs/base.py` for each field's meaning)."""
+  """Hashable settings of the jitted update steps (see `configs/base.py` for each field's meaning); the values
+  of `RUNTIME_FIELDS` reach the compiled step as inputs (`hparams`)."""
   name: str
   clip_mode: str
   eps_low: float
@@ -237,6 +248,11 @@ class StepConfig:
   @property
   def uses_critic(self) -> bool:
     return self.name in CRITIC_ALGOS
+
+  def hparams(self) -> dict[str, np.ndarray]:
+    """`{field: value}` of `RUNTIME_FIELDS` as host scalars (float32; int32 `critic_warmup_steps`): the
+    step's runtime inputs."""
+    return {f: (np.int32 if f == 'critic_warmup_steps' else np.float32)(getattr(self, f)) for f in RUNTIME_FIELDS}
 
   @classmethod
   def from_config(cls, config: Any) -> StepConfig:

@@ -6,12 +6,16 @@
 
 The update is one `jax.jit` program with explicit in/out shardings (derived from the models' logical
 axes and `config.mesh.rules`) and the learner state donated, so parameters and optimizer states are
-updated in place. On several processes each one passes its own rows of the batch (see
+updated in place. The step's numbers (ratio band, lambdas, gamma, coefficients, critic warmup, learning
+rates and their schedules, AdamW's betas: `Learner.hparams`) are inputs of that program, not constants
+compiled into it: configs, ablations and sweeps that change only numbers share one compiled update. On several processes each one passes its own rows of the batch (see
 `sao_jax.parallel.global_batch`); metrics come back replicated on every host.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -98,16 +102,20 @@ class Learner:
     rules = config.mesh.rules
     o = config.optim
     policy_updates, critic_updates = optim_lib.optimizer_horizons(config)
+    tx_at = functools.partial(optim_lib.optimizer_at, o)  # The optimizers' numbers are inputs of the update.
     self.policy_spec, policy_state, policy_sh = state_lib.create_train_state(
         policy, optim_lib.make_optimizer(o, o.actor_lr, policy_updates), self.mesh, rules)
+    self.policy_spec = dataclasses.replace(self.policy_spec, tx_at=tx_at)
     rep = parallel.replicated(self.mesh)
-    self.critic_spec, critic_state, critic_sh = None, None, None
+    self.critic_spec, critic_state, critic_sh, critic_hp = None, None, None, None
     if cfg.uses_critic:
       if critic is None:
         critic = default_critic(policy, int(config.seed) + 1)
       self.critic_spec, critic_state, critic_sh = state_lib.create_train_state(
           critic, optim_lib.make_optimizer(o, o.critic_lr, critic_updates), self.mesh, rules,
           trainable=critic_trainable(bool(o.freeze_critic_attention)))
+      self.critic_spec = dataclasses.replace(self.critic_spec, tx_at=tx_at)
+      critic_hp = optim_lib.optim_hparams(o, o.critic_lr, critic_updates)
     step0 = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=rep)()
     self.state = steps_lib.LearnerState(policy=policy_state, critic=critic_state, step=step0)
     self.state_shardings = steps_lib.LearnerState(policy=policy_sh, critic=critic_sh, step=rep)
@@ -124,8 +132,13 @@ class Learner:
       fn = steps_lib.make_sao_step(cfg, self.policy_spec, self.critic_spec, self.mesh, self.ref_graphdef)
     else:
       fn = steps_lib.make_group_step(cfg, self.policy_spec, self.mesh, self.ref_graphdef)
+    # The step's numbers (bands, lambdas, coefficients, learning rates, schedules) are inputs, not constants: a
+    # config or a sweep that changes only numbers runs the same compiled program (the persistent cache's hit).
+    hparams = steps_lib.step_hparams(cfg, optim_lib.optim_hparams(o, o.actor_lr, policy_updates), critic_hp)
+    hparams_sh = jax.tree.map(lambda _: rep, hparams)
+    self.hparams = state_lib.place(hparams, hparams_sh)
     batch_sh = Batch.map_fields(lambda _, rank: parallel.batch_sharding(self.mesh, rank))
-    self._step_fn = jax.jit(fn, in_shardings=(self.state_shardings, batch_sh, ref_sh),
+    self._step_fn = jax.jit(fn, in_shardings=(self.state_shardings, batch_sh, ref_sh, hparams_sh),
                             out_shardings=(self.state_shardings, rep), donate_argnums=(0,))
     self._batch_shardings = batch_sh
     self._compiled: dict[tuple[int, int], Any] = {}  # (rows, T) -> the update compiled ahead (`compile_update`).
@@ -174,7 +187,7 @@ class Learner:
       shape = (rows, int(seq_len))
       batch = Batch.map_fields(lambda k, rank, shape=shape: jax.ShapeDtypeStruct(
           shape[:rank], BATCH_FIELDS[k][1], sharding=getattr(self._batch_shardings, k)))
-      self._compiled[shape] = self._step_fn.lower(self.state, batch, self.ref_state).compile()
+      self._compiled[shape] = self._step_fn.lower(self.state, batch, self.ref_state, self.hparams).compile()
       logging.info('Compiled the learner update for batches of %d x %d tokens in %.1f s.', rows, seq_len,
                    time.perf_counter() - t0)
 
@@ -192,7 +205,7 @@ class Learner:
     t0 = time.perf_counter()
     batch = self.put_batch(batch)
     step_fn = self._compiled.get(tuple(batch.tokens.shape), self._step_fn)  # Compiled ahead, else jit's.
-    self.state, metrics = step_fn(self.state, batch, self.ref_state)
+    self.state, metrics = step_fn(self.state, batch, self.ref_state, self.hparams)
     counters = {'policy': self.state.policy.consecutive_skips}
     if self.state.critic is not None:
       counters['critic'] = self.state.critic.consecutive_skips

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import flax.struct
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 from sao_jax.errors import ConfigError
@@ -78,13 +81,39 @@ def optimizer_horizons(config: Any) -> tuple[int, int]:
   return policy, critic
 
 
-def make_schedule(optim_config: Any, peak_lr: float, run_steps: int | None = None) -> optax.Schedule:
-  """Learning rate per optimizer step.
+@flax.struct.dataclass
+class OptimHParams:
+  """The optimizer's hyperparameters as float32 scalars: inputs of the jitted learner update, not constants
+  compiled into it, so runs (and sweeps) that differ only in these values share one compiled program.
 
-  `lr(s) = peak * s / W` for `s < W` (W = `warmup_steps`), then `peak` (constant) or
-  `peak * (f + (1 - f) * (1 + cos(pi * min(s - W, D) / D)) / 2)` (cosine; f = `end_lr_factor`,
-  D = N - W with N = `total_steps`, or, when `total_steps` is 0, `run_steps`: the optimizer updates this
-  optimizer makes in the whole run, `optimizer_horizons`).
+  What changes the program stays in `config.optim` and is read when the optimizer is built (`optimizer_at`):
+  `optimizer` (adamw / sgd) and whether `grad_clip > 0`. The constant schedule is the cosine with floor f = 1
+  (exactly the peak: `(1 - 1) * cos + 1 = 1`), so both schedules run one program.
+
+  Attributes:
+    lr: peak learning rate.
+    warmup_steps: W, linear warmup from 0 over the first W optimizer steps.
+    decay_steps: D = N - W, the cosine's length (N: `total_steps`, or the run's updates); 1 when constant.
+    end_lr_factor: f, the cosine's floor as a fraction of the peak; 1 when constant.
+    b1, b2, eps, weight_decay: AdamW's.
+    grad_clip: the global-norm clip (read only when `config.optim.grad_clip > 0`).
+  """
+  lr: Any
+  warmup_steps: Any
+  decay_steps: Any
+  end_lr_factor: Any
+  b1: Any
+  b2: Any
+  eps: Any
+  weight_decay: Any
+  grad_clip: Any
+
+
+def optim_hparams(optim_config: Any, peak_lr: float, run_steps: int | None = None) -> OptimHParams:
+  """The `OptimHParams` of `config.optim` at peak `peak_lr` (host float32 scalars).
+
+  `run_steps`: the optimizer updates this optimizer makes in the whole run (`optimizer_horizons`), the
+  cosine's horizon when `total_steps` is 0.
 
   Raises:
     ConfigError: `check_optim`'s, a cosine schedule with `total_steps = 0` and no `run_steps`, or a horizon
@@ -93,35 +122,71 @@ def make_schedule(optim_config: Any, peak_lr: float, run_steps: int | None = Non
   o = optim_config
   check_optim(o)
   warmup = int(o.warmup_steps)
-  if o.schedule == 'constant':
-    after = optax.constant_schedule(peak_lr)
-  else:
+  decay, floor = 1, 1.0  # The constant schedule: the cosine at its floor f = 1.
+  if o.schedule == 'cosine':
     horizon = int(o.total_steps) or int(run_steps or 0)
     if not horizon:
       raise ConfigError('config.optim.total_steps=0 (the run\'s length) needs the run\'s optimizer updates: '
                         'set config.optim.total_steps, or build the optimizer through the Learner.')
     if not int(o.total_steps):
       _check_run_horizon(o, horizon, 'this optimizer')
-    after = optax.cosine_decay_schedule(peak_lr, horizon - warmup, alpha=float(o.end_lr_factor))
-  if warmup <= 0:
-    return after
-  return optax.join_schedules([optax.linear_schedule(0.0, peak_lr, warmup), after], [warmup])
+    decay, floor = horizon - warmup, float(o.end_lr_factor)
+  f32 = np.float32
+  return OptimHParams(lr=f32(peak_lr), warmup_steps=f32(max(warmup, 0)), decay_steps=f32(decay),
+                      end_lr_factor=f32(floor), b1=f32(o.b1), b2=f32(o.b2), eps=f32(o.eps),
+                      weight_decay=f32(o.weight_decay), grad_clip=f32(o.grad_clip))
+
+
+def schedule_at(hp: OptimHParams) -> optax.Schedule:
+  """Learning rate per optimizer step from the values of `hp` (host or traced).
+
+  `lr(s) = peak * s / W` for `s < W` (W = `warmup_steps`), then
+  `peak * (f + (1 - f) * (1 + cos(pi * min(s - W, D) / D)) / 2)` (f = `end_lr_factor`, D = `decay_steps`;
+  f = 1: constant), written as optax's `linear_schedule`, `cosine_decay_schedule` and `join_schedules`.
+  """
+  peak, warmup = hp.lr, hp.warmup_steps
+
+  def after(count):
+    count = jnp.minimum(count, hp.decay_steps)
+    cosine = 0.5 * (1 + jnp.cos(jnp.pi * count / hp.decay_steps))
+    return peak * ((1 - hp.end_lr_factor) * cosine + hp.end_lr_factor)
+
+  def schedule(count):
+    ramp = 1 - jnp.clip(count, 0, warmup) / jnp.maximum(warmup, 1)
+    return jnp.where(count < warmup, -peak * ramp + peak, after(count - warmup))
+
+  return schedule
+
+
+def optimizer_at(optim_config: Any, hp: OptimHParams) -> optax.GradientTransformation:
+  """`clip_by_global_norm(grad_clip)` (when `config.optim.grad_clip > 0`) then AdamW (or SGD:
+  `p <- p - lr * g`) with `schedule_at(hp)`; every value from `hp` (host or traced), the
+  structure (and so the optimizer state's tree) from `config.optim` alone."""
+  o = optim_config
+  name = o.get('optimizer', 'adamw')
+  lr = schedule_at(hp)
+  if name == 'adamw':
+    tx = optax.adamw(lr, b1=hp.b1, b2=hp.b2, eps=hp.eps, weight_decay=hp.weight_decay)
+  else:
+    tx = optax.sgd(lr)
+  if o.grad_clip > 0:
+    return optax.chain(optax.clip_by_global_norm(hp.grad_clip), tx)
+  return tx
+
+
+def make_schedule(optim_config: Any, peak_lr: float, run_steps: int | None = None) -> optax.Schedule:
+  """Learning rate per optimizer step: `schedule_at` with `optim_hparams(optim_config, peak_lr, run_steps)`.
+
+  Raises:
+    ConfigError: `optim_hparams`'.
+  """
+  return schedule_at(optim_hparams(optim_config, peak_lr, run_steps))
 
 
 def make_optimizer(optim_config: Any, peak_lr: float, run_steps: int | None = None
                    ) -> optax.GradientTransformation:
-  """`clip_by_global_norm(grad_clip)` (when > 0) then AdamW (or SGD: `p <- p - lr * g`) with
-  `make_schedule(optim_config, peak_lr, run_steps)`.
+  """`optimizer_at` with `optim_hparams(optim_config, peak_lr, run_steps)`: the values compiled in.
 
   SGD makes an update linear in the gradient, which is what the reference-step tests need to pin the loss.
   """
-  o = optim_config
-  name = o.get('optimizer', 'adamw')
-  if name == 'adamw':
-    tx = optax.adamw(make_schedule(o, peak_lr, run_steps), b1=float(o.b1), b2=float(o.b2), eps=float(o.eps),
-                     weight_decay=float(o.weight_decay))
-  else:
-    tx = optax.sgd(make_schedule(o, peak_lr, run_steps))
-  if o.grad_clip > 0:
-    return optax.chain(optax.clip_by_global_norm(float(o.grad_clip)), tx)
-  return tx
+  return optimizer_at(optim_config, optim_hparams(optim_config, peak_lr, run_steps))

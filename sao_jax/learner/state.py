@@ -45,10 +45,19 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-  """Static side of a train state: how to rebuild the module and update it."""
+  """Static side of a train state: how to rebuild the module and update it.
+
+  Attributes:
+    graphdef: the module's graph definition.
+    tx: the optimizer, its hyperparameters compiled in.
+    trainable: the nnx filter that selects `TrainState.params`.
+    tx_at: the same optimizer with its hyperparameters from a pytree (`optim.OptimHParams`), which the learner
+      passes to its jitted update as inputs (None: `tx` only). Same optimizer-state tree as `tx`.
+  """
   graphdef: Any
   tx: optax.GradientTransformation
-  trainable: Any  # The nnx filter that selects `TrainState.params`.
+  trainable: Any
+  tx_at: Callable[[Any], optax.GradientTransformation] | None = None
 
 
 def _counter() -> jax.Array:

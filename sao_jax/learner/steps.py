@@ -62,6 +62,7 @@ from sao_jax.models import logprobs as logprobs_lib
 from sao_jax.types import Batch
 
 Metrics = dict[str, jax.Array]
+Hparams = dict[str, Any]  # `StepConfig.hparams()`: host scalars, or the jitted step's inputs.
 
 
 @flax.struct.dataclass
@@ -119,16 +120,18 @@ def critic_values(critic: nnx.Module, tokens: jax.Array) -> tuple[jax.Array, jax
 # Guarded optimizer update and minibatching.
 
 
-def guarded_apply(spec: state_lib.ModelSpec, ts: state_lib.TrainState, grads: Any,
-                  loss: jax.Array) -> tuple[state_lib.TrainState, Metrics]:
+def guarded_apply(spec: state_lib.ModelSpec, ts: state_lib.TrainState, grads: Any, loss: jax.Array,
+                  opt_hparams: Any = None) -> tuple[state_lib.TrainState, Metrics]:
   """One optimizer update unless the loss or the gradient is non-finite.
 
+  The optimizer is `spec.tx`, or `spec.tx_at(opt_hparams)` when hyperparameters are given (runtime inputs).
   Skipped updates leave `params` and `opt_state` bit-identical (selected with `jnp.where`), count in
   `skipped` and extend `consecutive_skips`; an applied update resets the latter.
   """
   grad_norm = optax.tree.norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  updates, new_opt = spec.tx.update(grads, ts.opt_state, ts.params)
+  tx = spec.tx if opt_hparams is None else spec.tx_at(opt_hparams)
+  updates, new_opt = tx.update(grads, ts.opt_state, ts.params)
   new_params = optax.apply_updates(ts.params, updates)
   keep = lambda new, old: jnp.where(ok, new, old)
   new_ts = ts.replace(
@@ -257,12 +260,13 @@ def _grad_and_metrics(spec: state_lib.ModelSpec, ts: state_lib.TrainState, mb: A
 
 def run_updates(spec: state_lib.ModelSpec, ts: state_lib.TrainState, data: Any, objective: Objective, *,
                 epochs: int, minibatch_size: int, mesh: Mesh | None, microbatch_size: int = 0,
-                extra: Any = None) -> tuple[state_lib.TrainState, Metrics]:
+                extra: Any = None, opt_hparams: Any = None) -> tuple[state_lib.TrainState, Metrics]:
   """`epochs` passes of guarded updates over minibatches of `data` (a `lax.scan`, one compile).
 
   `data` is a dict of `[B, ...]` arrays with the action mask under 'mask'; each update's gradient is
   accumulated over microbatches of `microbatch_size` rows (0: the whole minibatch at once) and taken
-  w.r.t. `ts.params` only. Returns the new state and the metrics averaged over updates (`skipped` summed).
+  w.r.t. `ts.params` only; `opt_hparams`: the optimizer's runtime hyperparameters (`guarded_apply`).
+  Returns the new state and the metrics averaged over updates (`skipped` summed).
   """
   rows = jax.tree.leaves(data)[0].shape[0]
   n = num_minibatches(rows, minibatch_size)
@@ -271,7 +275,7 @@ def run_updates(spec: state_lib.ModelSpec, ts: state_lib.TrainState, data: Any, 
   def body(ts, k):
     mb = take_minibatch(data, k % n, n, mesh)
     loss, metrics, grads = _grad_and_metrics(spec, ts, mb, objective, extra, parts, mesh)
-    ts, guard = guarded_apply(spec, ts, grads, loss)
+    ts, guard = guarded_apply(spec, ts, grads, loss, opt_hparams)
     return ts, {'loss': loss, **metrics, **guard}
 
   ts, stacked = jax.lax.scan(body, ts, jnp.arange(epochs * n, dtype=jnp.int32))
@@ -282,8 +286,10 @@ def run_updates(spec: state_lib.ModelSpec, ts: state_lib.TrainState, data: Any, 
 # Objectives of one minibatch.
 
 
-def critic_objective(cfg: algo_lib.StepConfig) -> Objective:
-  """Masked MSE of the critic's values to the fixed returns (`losses.value_loss`, token mean)."""
+def critic_objective(cfg: algo_lib.StepConfig, h: Hparams | None = None) -> Objective:
+  """Masked MSE of the critic's values to the fixed returns (`losses.value_loss`, token mean); the values of
+  `h` (`cfg.hparams()` when None), the structure of `cfg`."""
+  h = cfg.hparams() if h is None else h
   clip = cfg.value_clip_eps > 0
 
   def forward(model, rows, _):
@@ -292,15 +298,17 @@ def critic_objective(cfg: algo_lib.StepConfig) -> Objective:
   def loss(out, rows, scale):
     value, metrics = losses.value_loss(out['values'], rows['returns'], rows['mask'],
                                        old_values=rows['old_values'] if clip else None,
-                                       clip_eps=cfg.value_clip_eps if clip else None)
+                                       clip_eps=h['value_clip_eps'] if clip else None)
     return scale('token_mean') * value, metrics
 
   return Objective(forward, loss)
 
 
-def policy_objective(cfg: algo_lib.StepConfig, ref_graphdef: Any = None) -> Objective:
+def policy_objective(cfg: algo_lib.StepConfig, ref_graphdef: Any = None, h: Hparams | None = None) -> Objective:
   """`losses.policy_loss` (aggregated with `cfg.agg`), minus `entropy_coef` times the token-mean entropy,
-  plus `kl_coef` times the token-mean KL to the reference policy (`extra`: its full `nnx.State`)."""
+  plus `kl_coef` times the token-mean KL to the reference policy (`extra`: its full `nnx.State`); the values
+  of `h` (`cfg.hparams()` when None), the structure of `cfg`."""
+  h = cfg.hparams() if h is None else h
   use_ref = bool(cfg.kl_coef)
 
   def forward(model, rows, ref):
@@ -315,19 +323,19 @@ def policy_objective(cfg: algo_lib.StepConfig, ref_graphdef: Any = None) -> Obje
     logp, mask = out['logprobs'], rows['mask']
     pg, metrics = losses.policy_loss(
         logp, rows['behavior_logprobs'], rows['advantages'], mask, clip_mode=cfg.clip_mode,
-        eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.agg, dual_clip_c=cfg.dual_clip_c,
+        eps_low=h['eps_low'], eps_high=h['eps_high'], agg=cfg.agg, dual_clip_c=h['dual_clip_c'],
         agg_max_len=cfg.agg_max_len, proximal_logprobs=rows.get('proximal_logprobs'),
-        behavior_correction=cfg.behavior_correction, tis_cap=cfg.tis_cap, icepop_low=cfg.icepop_low,
-        icepop_high=cfg.icepop_high)
+        behavior_correction=cfg.behavior_correction, tis_cap=h['tis_cap'], icepop_low=h['icepop_low'],
+        icepop_high=h['icepop_high'])
     metrics.pop('num_action_tokens', None)
     total = scale(cfg.agg) * pg
     entropy = masked_mean(out['entropy'], mask)
     if cfg.entropy_coef:
-      total = total - cfg.entropy_coef * scale('token_mean') * entropy
+      total = total - h['entropy_coef'] * scale('token_mean') * entropy
     metrics = {**metrics, 'entropy': jax.lax.stop_gradient(entropy)}
     if 'ref_logprobs' in out:
       kl_ref = losses.masked_kl(logp, out['ref_logprobs'], mask, cfg.kl_estimator)
-      total = total + cfg.kl_coef * scale('token_mean') * kl_ref
+      total = total + h['kl_coef'] * scale('token_mean') * kl_ref
       metrics['kl_ref'] = jax.lax.stop_gradient(kl_ref)
     return total, metrics
 
@@ -336,6 +344,19 @@ def policy_objective(cfg: algo_lib.StepConfig, ref_graphdef: Any = None) -> Obje
 
 # ---------------------------------------------------------------------------------------------------------
 # Steps.
+
+
+def step_hparams(cfg: algo_lib.StepConfig, policy: Any, critic: Any = None) -> dict[str, Any]:
+  """The runtime inputs of a step made by `make_sao_step` / `make_group_step`: `{'algo': cfg.hparams(),
+  'policy': policy's optimizer hyperparameters, 'critic': the critic's (None without one)}` (the optimizers'
+  as `optim.OptimHParams`, read by each `ModelSpec.tx_at`)."""
+  return {'algo': cfg.hparams(), 'policy': policy, 'critic': critic}
+
+
+def _unpack(cfg: algo_lib.StepConfig, hparams: Any) -> tuple[Hparams, Any, Any]:
+  if hparams is None:
+    return cfg.hparams(), None, None
+  return hparams['algo'], hparams['policy'], hparams['critic']
 
 
 def _row_reward(batch: Batch) -> jax.Array:
@@ -360,9 +381,9 @@ def group_advantages(cfg: algo_lib.StepConfig, row_rewards: jax.Array) -> jax.Ar
   return adv.reshape(b)
 
 
-def _policy_phase(cfg, policy_spec, ref_graphdef, ts, data, ref_params, active, mesh):
+def _policy_phase(cfg, policy_spec, ref_graphdef, ts, data, ref_params, active, mesh, h, opt_hparams):
   """Policy updates; under `lax.cond(active, ...)` when `active` is given (warmup leaves ts untouched)."""
-  objective = policy_objective(cfg, ref_graphdef)
+  objective = policy_objective(cfg, ref_graphdef, h)
 
   def run(ts):
     mb_data = data
@@ -374,7 +395,7 @@ def _policy_phase(cfg, policy_spec, ref_graphdef, ts, data, ref_params, active, 
       mb_data = {**data, 'proximal_logprobs': jax.lax.stop_gradient(prox)}
     return run_updates(policy_spec, ts, mb_data, objective, epochs=cfg.policy_epochs,
                        minibatch_size=cfg.minibatch_size, microbatch_size=cfg.microbatch_size, mesh=mesh,
-                       extra=ref_params)
+                       extra=ref_params, opt_hparams=opt_hparams)
 
   if active is None:
     return run(ts)
@@ -411,13 +432,15 @@ def _prefixed(prefix: str, metrics: Metrics) -> Metrics:
 
 def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
                   critic_spec: state_lib.ModelSpec, mesh: Mesh | None = None, ref_graphdef: Any = None):
-  """Pure SAO/PPO step: `(LearnerState, Batch, ref_state | None) -> (LearnerState, metrics)`.
+  """Pure SAO/PPO step: `(LearnerState, Batch, ref_state | None, hparams | None) -> (LearnerState, metrics)`.
 
   `ref_state` (with `ref_graphdef`) is the frozen reference policy for the KL penalty (`kl_coef > 0`).
+  `hparams` (`step_hparams`): the step's numbers as inputs; None = `cfg`'s and the specs' `tx`, as constants.
   """
 
-  def step(state: LearnerState, batch: Batch, ref_params: Any = None):
+  def step(state: LearnerState, batch: Batch, ref_params: Any = None, hparams: Any = None):
     chex.assert_rank(batch.tokens, 2)
+    h, policy_hp, critic_hp = _unpack(cfg, hparams)
     f32 = jnp.float32
     action_mask = batch.action_mask.astype(f32) * batch.row_mask.astype(f32)[:, None]
     truncated = batch.truncated.astype(bool)
@@ -443,24 +466,24 @@ def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
 
     # 1-2. Fixed value targets from the critic before its update.
     values_old, next_old = values_of(state.critic)
-    _, returns = losses.skip_observation_gae(batch.rewards, values_old, chain, gamma=cfg.gamma,
-                                              lam=cfg.lam_critic, bootstrap=bootstrap(next_old))
+    _, returns = losses.skip_observation_gae(batch.rewards, values_old, chain, gamma=h['gamma'],
+                                              lam=h['lam_critic'], bootstrap=bootstrap(next_old))
     returns = jax.lax.stop_gradient(returns)
 
     # 3. K critic epochs on the fixed returns.
     critic_data = {'tokens': batch.tokens, 'returns': returns, 'mask': chain, 'old_values': values_old}
-    critic_ts, critic_m = run_updates(critic_spec, state.critic, critic_data, critic_objective(cfg),
+    critic_ts, critic_m = run_updates(critic_spec, state.critic, critic_data, critic_objective(cfg, h),
                                       epochs=cfg.critic_epochs, minibatch_size=cfg.minibatch_size,
-                                      microbatch_size=cfg.microbatch_size, mesh=mesh)
+                                      microbatch_size=cfg.microbatch_size, mesh=mesh, opt_hparams=critic_hp)
 
     # 4-5. Policy advantages from the updated (or the pre-update) critic.
     if cfg.advantages_from == 'updated_critic':
       values_new, next_new = values_of(critic_ts)
     else:
       values_new, next_new = values_old, next_old
-    lam = (losses.adaptive_lambda(mask, cfg.adaptive_alpha) if cfg.lam_policy < 0
-           else jnp.full((mask.shape[0],), cfg.lam_policy, f32))
-    advantages, _ = losses.skip_observation_gae(batch.rewards, values_new, chain, gamma=cfg.gamma, lam=lam,
+    lam = (losses.adaptive_lambda(mask, h['adaptive_alpha']) if cfg.lam_policy < 0
+           else jnp.full((mask.shape[0],), h['lam_policy'], f32))
+    advantages, _ = losses.skip_observation_gae(batch.rewards, values_new, chain, gamma=h['gamma'], lam=lam,
                                                  bootstrap=bootstrap(next_new))
     advantages = advantages * mask  # The policy's tokens only (a no-op for the action chain).
     if cfg.whiten_advantages:
@@ -468,11 +491,11 @@ def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
     advantages = jax.lax.stop_gradient(advantages)
 
     # 6. Policy update(s), after the critic-only warmup.
-    active = state.step >= cfg.critic_warmup_steps
+    active = state.step >= h['critic_warmup_steps']
     policy_data = {'tokens': batch.tokens, 'behavior_logprobs': batch.behavior_logprobs,
                    'advantages': advantages, 'mask': mask}
     policy_ts, policy_m = _policy_phase(cfg, policy_spec, ref_graphdef, state.policy, policy_data,
-                                        ref_params, active, mesh)
+                                        ref_params, active, mesh, h, policy_hp)
 
     metrics = {
         **_prefixed('critic', critic_m),
@@ -495,9 +518,11 @@ def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
 
 def make_group_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec, mesh: Mesh | None = None,
                     ref_graphdef: Any = None):
-  """Pure GRPO-family step: `(LearnerState, Batch, ref_state | None) -> (LearnerState, metrics)`."""
+  """Pure GRPO-family step: `(LearnerState, Batch, ref_state | None, hparams | None) -> (LearnerState, metrics)`
+  (see `make_sao_step`)."""
 
-  def step(state: LearnerState, batch: Batch, ref_params: Any = None):
+  def step(state: LearnerState, batch: Batch, ref_params: Any = None, hparams: Any = None):
+    h, policy_hp, _ = _unpack(cfg, hparams)
     f32 = jnp.float32
     mask = batch.action_mask.astype(f32) * batch.row_mask.astype(f32)[:, None]
     advantages = losses.broadcast_to_tokens(group_advantages(cfg, _row_reward(batch)), mask)
@@ -507,7 +532,7 @@ def make_group_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec, 
     data = {'tokens': batch.tokens, 'behavior_logprobs': batch.behavior_logprobs,
             'advantages': advantages, 'mask': mask}
     policy_ts, policy_m = _policy_phase(cfg, policy_spec, ref_graphdef, state.policy, data, ref_params,
-                                        None, mesh)
+                                        None, mesh, h, policy_hp)
     metrics = {
         **_prefixed('policy', policy_m),
         **_advantage_metrics(advantages, mask),

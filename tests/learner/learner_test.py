@@ -123,6 +123,45 @@ class CompileAheadTest(absltest.TestCase):
       learner.update(H.batch(0, length=24))  # A length not compiled ahead falls back to jit.
 
 
+class HyperparametersAreInputsTest(absltest.TestCase):
+  """The step's numbers (`StepConfig.hparams`, `optim.OptimHParams`) are inputs of the compiled update: a config
+  that changes only numbers runs the same program (one compile, or a persistent-cache hit), fed its values."""
+
+  # Every number the update reads, changed; the constant schedule becomes a warmed-up cosine.
+  OTHER = {'algo.eps_low': 0.25, 'algo.eps_high': 4.0, 'algo.gamma': 0.99, 'algo.lam_critic': 0.9,
+           'algo.adaptive_alpha': 2.0, 'algo.critic_warmup_steps': 0, 'algo.entropy_coef': 0.0,
+           'optim.actor_lr': 3e-3, 'optim.critic_lr': 2e-3, 'optim.schedule': 'cosine', 'optim.total_steps': 7,
+           'optim.warmup_steps': 2, 'optim.end_lr_factor': 0.3, 'optim.b1': 0.8, 'optim.b2': 0.99,
+           'optim.eps': 1e-6, 'optim.weight_decay': 0.01, 'optim.grad_clip': 0.5}
+
+  def _learner(self, **overrides):
+    return Learner(H.config('sao', **SAO_OVERRIDES, **overrides), policy=_policy(), mesh=H.mesh(1, 1),
+                   model_config=H.MODEL)
+
+  def _program(self, learner):
+    batch = learner.put_batch(H.batch(0, pad_rows=1))
+    step_fn = learner._step_fn  # pylint: disable=protected-access
+    return step_fn.lower(learner.state, batch, learner.ref_state, learner.hparams).as_text()
+
+  def test_numbers_change_no_program_and_drive_the_update(self):
+    _, snaps, _ = _runs('sao', (1, 1))  # The reference config's two updates.
+    ref, other = self._learner(), self._learner(**self.OTHER)
+    self.assertEqual(self._program(other), self._program(ref))
+    # A structural setting does change the program (the comparison sees a change).
+    self.assertNotEqual(self._program(self._learner(**{'algo.clip_mode': 'ppo'})), self._program(ref))
+    # Its own numbers move the weights elsewhere than the reference's ...
+    moved = self._learner(**self.OTHER)
+    moved.update(H.batch(0, pad_rows=1))
+    got, want = _snapshot(moved)['policy'], snaps[1]['policy']
+    self.assertGreater(max(np.max(np.abs(got[k] - want[k])) for k in want), 1e-4)
+    # ... and fed the reference's numbers, the same program makes the reference's updates exactly.
+    other.hparams = ref.hparams
+    for i in range(2):
+      other.update(H.batch(i, pad_rows=1))
+      _assert_trees_close(self, _snapshot(other)['policy'], snaps[i + 1]['policy'], atol=0, rtol=0)
+      _assert_trees_close(self, _snapshot(other)['critic'], snaps[i + 1]['critic'], atol=0, rtol=0)
+
+
 class SaoStructureTest(absltest.TestCase):
 
   def test_critic_warmup_and_k_critic_updates(self):
