@@ -485,8 +485,8 @@ class Sampler:
     min_new = jnp.asarray(min_new_tokens, jnp.int32)
     seeds_d, budgets_d = jnp.asarray(seeds), jnp.asarray(budgets)
     t0 = time.perf_counter()
-    cache, tok, lp, slp, reason = self._prefill(st_prefill, snapshot.weights, cache, jnp.asarray(chunk), jnp.asarray(valid),
-                                                seeds_d, budgets_d, min_new)
+    cache, tok, lp, slp, reason = self._prefill(st_prefill, snapshot.weights, cache, jnp.asarray(chunk),
+                                                jnp.asarray(valid), seeds_d, budgets_d, min_new)
     timings = {}
     if time_prefill:
       jax.block_until_ready(tok)
