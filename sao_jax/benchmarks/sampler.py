@@ -19,9 +19,14 @@ reported too (`CPU ms/token` = CPU time of the whole generation / (B * new token
   decode tok/s  = B * (new_tokens - 1) / (generation time - prefill time)
   prefill tok/s = B * 32 / prefill time               (padded prompt tokens)
 
-where the prefill time ends when the first new token of every row is known (ours: `time_prefill=True`
-synchronises after the prefill program; HF: first call of a logits processor; tunix: its compiled prefill
-function, synchronised).
+and, for ours, the fraction of the compute roofline reached by decode (`roofline`):
+
+  roofline = decode tok/s * 2 * num_params / matmul peak
+
+with the matmul peak measured in the same run (float32 `jnp.dot` of two 2048 x 2048 matrices, best of 5, taken
+before and after the timed runs; the larger is used). The prefill time ends when the first new token of every
+row is known (ours: `time_prefill=True` synchronises after the prefill program; HF: first call of a logits
+processor; tunix: its compiled prefill function, synchronised).
 
 tunix runs in its own virtual environment (its pinned dependencies differ from ours): this script starts
 `--tunix_python` on this same file in worker mode (`--worker=tunix`) and drives it over JSON lines. The worker
@@ -128,6 +133,21 @@ def _timed(fn):
   return total, prefill, time.process_time() - c0
 
 
+def matmul_peak_gflops(n: int = 2048, reps: int = 5) -> float:
+  """This machine's float32 matmul rate now (jnp.dot n x n, best of `reps`), GFLOP/s."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  a = jnp.ones((n, n), jnp.float32)
+  dot = jax.jit(jnp.dot)
+  dot(a, a).block_until_ready()
+  best = float('inf')
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    dot(a, a).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return 2 * n ** 3 / best / 1e9
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Ours.
 
@@ -140,6 +160,7 @@ class Ours:
     from sao_jax.models.sampler import Sampler  # pylint: disable=g-import-not-at-top
     from sao_jax.models.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
     model, _ = hf_io.load_hf(hf_dir, dtype='float32')
+    self.num_params = model.cfg.num_params()
     self.sampler = Sampler(model, stop_ids=(EOS_ID,), pad_id=PAD_ID, prompt_buckets=(PROMPT_LEN,))
     self.params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
     self.ids, self.new_tokens = ids, new_tokens
@@ -356,6 +377,7 @@ def main(argv):
   if 'tunix' in f.peers:
     impls['tunix'] = Tunix(f.tunix_python, f.hf_dir, ids, f.new_tokens)
   rows = {name: [] for name in impls}
+  peaks = [matmul_peak_gflops()]
   try:
     for b in batch_sizes:
       first = {}
@@ -373,10 +395,18 @@ def main(argv):
   finally:
     for impl in impls.values():
       impl.close()
+  peaks.append(matmul_peak_gflops())
   print(f'\nSmolLM2-135M-Instruct float32, prompts left-padded to {PROMPT_LEN}, {f.new_tokens} new tokens, '
         f'median of {f.repeats} interleaved runs after a warm-up; load average at the end: '
         f'{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n')
   print(_table(rows))
+  peak = max(peaks)
+  flop = 2 * impls['ours'].num_params
+  print(f'\nmatmul peak (float32 jnp.dot 2048^2, before / after): {peaks[0]:.0f} / {peaks[1]:.0f} GFLOP/s; '
+        f'2 x {impls["ours"].num_params / 1e6:.1f}M FLOP per token -> roofline {peak * 1e9 / flop:.0f} tok/s')
+  for r in rows['ours']:
+    print(f"ours decode at batch {r['batch']}: {r['decode_tok_s'] * flop / 1e9:.1f} GFLOP/s = "
+          f"{100 * r['decode_tok_s'] * flop / (peak * 1e9):.1f}% of the roofline")
 
 
 if __name__ == '__main__':

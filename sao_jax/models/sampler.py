@@ -21,7 +21,9 @@ Attention reads only the filled part of the cache: the decode loop runs in segme
 slots -> 64, 128, 192, 256, 288), each a `lax.while_loop` on a copy of the cache cut to the segment's window
 (a static shape; a slice of the full cache inside the loop costs XLA:CPU more than it saves), padded back
 afterwards. Segments an episode has already passed run no step. At 256 new tokens this cuts the attention
-reads by ~35% for the price of a few cache copies per call.
+reads by ~35% for the price of a few cache copies per call. The prefill chunk attends over the slots filled once
+it is written (bucketed to a power of two >= 32), not over the whole preallocated cache: a new episode's 32-token
+prompt reads 32 slots, not 288.
 
 Shapes are bucketed so that a run compiles a handful of programs: prompt / chunk lengths go up to the next
 of `prompt_buckets` (or a power of two), the number of new tokens to a power of two (>= `min_new_bucket`),
@@ -381,7 +383,7 @@ class Sampler:
     cache = self._init_cache(self.cfg, bp, s)
     chunk, valid = self._left_pad(prompts, bp, t)
     return self._run(snapshot, cache, chunk, valid, seeds_np, budgets, n, params, min_new_tokens, b, keep_state,
-                     time_prefill, need=t + n)
+                     time_prefill, chunk_end=t, need=t + n)
 
   def continue_generation(self, state: EpisodeState, observations: Sequence[Sequence[int] | None], *,
                           max_new_tokens: int | Sequence[int], params: SamplingParams = SamplingParams(),
@@ -423,12 +425,13 @@ class Sampler:
     t = self.chunk_bucket(max(1, max(len(c) for c in chunks)))
     n = self.new_tokens_bucket(max(int(budgets.max()), 1))
     cache = state.cache
-    need = int(jax.device_get(cache.index)) + t + n
+    index = int(jax.device_get(cache.index))
+    need = index + t + n
     if need > cache.max_len:
       cache = self._resize(cache, _next_pow2(need))
     chunk, valid = self._left_pad(chunks, bp, t)
     out = self._run(snapshot, cache, chunk, valid, state.seeds, budgets, n, params, min_new_tokens, b, keep_state,
-                    time_prefill, need=need)
+                    time_prefill, chunk_end=index + t, need=need)
     if out.state is not None:  # Rows that took no part keep their pending token.
       keep = ~active
       out.state.pending = np.where(keep, state.pending, out.state.pending)
@@ -473,15 +476,17 @@ class Sampler:
     return tokens, valid
 
   def _run(self, snapshot: WeightsSnapshot, cache, chunk, valid, seeds, budgets, n, params, min_new_tokens, b,
-           keep_state, time_prefill, need):
-    # Attention window: the slots this call can fill, bucketed (a power of two), at most the cache length.
-    window = min(cache.max_len, _next_pow2(need, 32))
-    st = StaticSettings(self.cfg, params, self.stop_ids, self.pad_id, window)
+           keep_state, time_prefill, chunk_end, need):
+    # Attention windows, bucketed (powers of two >= 32), at most the cache length: the prefill chunk attends over
+    # the slots filled once it is written (`chunk_end`), the decode loop over those this call can fill (`need`).
+    bucket = lambda slots: min(cache.max_len, _next_pow2(slots, 32))
+    st_prefill = StaticSettings(self.cfg, params, self.stop_ids, self.pad_id, bucket(chunk_end))
+    st = StaticSettings(self.cfg, params, self.stop_ids, self.pad_id, bucket(need))
     min_new = jnp.asarray(min_new_tokens, jnp.int32)
     seeds_d, budgets_d = jnp.asarray(seeds), jnp.asarray(budgets)
     t0 = time.perf_counter()
-    cache, tok, lp, slp, reason = self._prefill(st, snapshot.weights, cache, jnp.asarray(chunk), jnp.asarray(valid),
-                                                seeds_d, budgets_d, min_new)
+    cache, tok, lp, slp, reason = self._prefill(st_prefill, snapshot.weights, cache, jnp.asarray(chunk),
+                                                jnp.asarray(valid), seeds_d, budgets_d, min_new)
     timings = {}
     if time_prefill:
       jax.block_until_ready(tok)
