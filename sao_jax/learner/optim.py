@@ -142,7 +142,8 @@ def schedule_at(hp: OptimHParams) -> optax.Schedule:
 
   `lr(s) = peak * s / W` for `s < W` (W = `warmup_steps`), then
   `peak * (f + (1 - f) * (1 + cos(pi * min(s - W, D) / D)) / 2)` (f = `end_lr_factor`, D = `decay_steps`;
-  f = 1: constant), written as optax's `linear_schedule`, `cosine_decay_schedule` and `join_schedules`.
+  f = 1: constant): the values of optax's `linear_schedule` joined to its `cosine_decay_schedule`, written out
+  so that every number may be traced.
   """
   peak, warmup = hp.lr, hp.warmup_steps
 
