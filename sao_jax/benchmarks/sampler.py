@@ -134,18 +134,9 @@ def _timed(fn):
 
 
 def matmul_peak_gflops(n: int = 2048, reps: int = 5) -> float:
-  """This machine's float32 matmul rate now (jnp.dot n x n, best of `reps`), GFLOP/s."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  a = jnp.ones((n, n), jnp.float32)
-  dot = jax.jit(jnp.dot)
-  dot(a, a).block_until_ready()
-  best = float('inf')
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    dot(a, a).block_until_ready()
-    best = min(best, time.perf_counter() - t0)
-  return 2 * n ** 3 / best / 1e9
+  """This machine's float32 matmul rate now (`common.matmul_peak` at n x n, best of `reps`), GFLOP/s."""
+  from sao_jax.benchmarks import common  # pylint: disable=g-import-not-at-top  (jax: not in the peers' workers)
+  return common.matmul_peak((n,), reps)[0] / 1e9
 
 
 # ---------------------------------------------------------------------------------------------------------
