@@ -3,8 +3,9 @@
 The configs run one after another in ONE child process (1 CPU device, a persistent compilation cache), so the
 programs of the shared tiny shapes compile once: the first config pays the compiles, the others reuse them (the
 learner's numbers, which differ between configs, are inputs of its update, `Learner.hparams`; what still compiles
-again is a config's own structure, e.g. calculator's tool stop tokens in the sampler). Tasks that need data files run on the samples their configs ship; `code` runs its tests in the bubblewrap
-sandbox (with the tiny model's 8-token turns most episodes are cut before a test runs: this checks the wiring).
+again is a config's own structure, e.g. calculator's tool stop tokens in the sampler). Tasks that need data files
+run on the samples their configs ship; `code` runs its tests in the bubblewrap sandbox (with the tiny model's
+8-token turns most episodes are cut before a test runs: this checks the wiring).
 """
 
 import glob

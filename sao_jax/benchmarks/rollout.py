@@ -13,12 +13,13 @@ Workloads (the same episodes, the same seeds, for both runners):
   number of turns), and after every turn a tool call whose wall time is log-normal (median `--tool_ms`),
   clipped to [20, 500] ms (the env sleeps, as a sandbox or a remote tool would).
 
-The static runner plays `--slots` episodes at a time, turn by turn (a turn waits for its longest generation
-and the slowest of the batch's env steps, which run concurrently); the continuous runner keeps `--slots` decode
-slots busy and steps envs in a thread pool. Figures: completed episodes/s and generated (action) tokens/s, median of `--repeats` interleaved runs after
-one warm-up run of each (compilation excluded), with the machine's load average printed alongside, and the
-process CPU seconds of each (on a machine loaded by others the CPU ratio is the steadier figure). For the
-continuous runner a line per run says its decode steps, chunks, admissions and the CPU seconds in each.
+The static runner plays `--slots` episodes at a time, turn by turn (a turn waits for its longest generation and the
+slowest of the batch's env steps, which run concurrently); the continuous runner keeps `--slots` decode slots busy
+and steps envs in a thread pool. Figures: completed episodes/s and generated (action) tokens/s, median of
+`--repeats` interleaved runs after one warm-up run of each (compilation excluded), with the machine's load average
+printed alongside, and the process CPU seconds of each (on a machine loaded by others the CPU ratio is the steadier
+figure). For the continuous runner a line per run says its decode steps, chunks, admissions and the CPU seconds in
+each.
 """
 
 from __future__ import annotations

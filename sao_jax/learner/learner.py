@@ -5,11 +5,11 @@
     params = learner.policy_state()        # to publish to the sampler
 
 The update is one `jax.jit` program with explicit in/out shardings (derived from the models' logical
-axes and `config.mesh.rules`) and the learner state donated, so parameters and optimizer states are
-updated in place. The step's numbers (ratio band, lambdas, gamma, coefficients, critic warmup, learning
-rates and their schedules, AdamW's betas: `Learner.hparams`) are inputs of that program, not constants
-compiled into it: configs, ablations and sweeps that change only numbers share one compiled update. On several processes each one passes its own rows of the batch (see
-`sao_jax.parallel.global_batch`); metrics come back replicated on every host.
+axes and `config.mesh.rules`) and the learner state donated, so parameters and optimizer states are updated in
+place. The step's numbers (ratio band, lambdas, gamma, coefficients, critic warmup, learning rates and their
+schedules, AdamW's betas: `Learner.hparams`) are inputs of that program, not constants compiled into it: configs,
+ablations and sweeps that change only numbers share one compiled update. On several processes each one passes its
+own rows of the batch (see `sao_jax.parallel.global_batch`); metrics come back replicated on every host.
 """
 
 from __future__ import annotations
