@@ -13,7 +13,8 @@ tests compare the two) in a graph shaped for decoding on any backend:
   wins and is used);
 * `DecodeCache`: one key and one value array per layer, keys stored slot-minor `[B, K, H, S]` and values
   `[B, K, S, H]`, so that single-token attention is two fused multiply-reduce passes over the cache (a batched
-  `[G, H] x [H, S]` matmul per (row, kv head) is ~1.8x slower on CPU); chunks of T > 1 tokens use batched
+  `[G, H] x [H, S]` matmul per (row, kv head) was ~1.8x slower on CPU with older jaxlibs; on jaxlib 0.10.2
+  SmolLM2's decode ran at the same speed either way at B=8 and B=32); chunks of T > 1 tokens use batched
   matmuls. Every row writes the chunk at the same slot `index` (a scalar), so the write is an in-place
   `dynamic_update_slice`, never a scatter; a slot-major cache (`init_cache(..., per_row_index=True)`, the
   continuous-batching sampler's) has one write slot per row instead (`index [B]`, a per-row update);
