@@ -103,19 +103,19 @@ class Learner:
     o = config.optim
     policy_updates, critic_updates = optim_lib.optimizer_horizons(config)
     tx_at = functools.partial(optim_lib.optimizer_at, o)  # The optimizers' numbers are inputs of the update.
+    policy_hp = optim_lib.optim_hparams(o, o.actor_lr, policy_updates)
     self.policy_spec, policy_state, policy_sh = state_lib.create_train_state(
-        policy, optim_lib.make_optimizer(o, o.actor_lr, policy_updates), self.mesh, rules)
+        policy, tx_at(policy_hp), self.mesh, rules)
     self.policy_spec = dataclasses.replace(self.policy_spec, tx_at=tx_at)
     rep = parallel.replicated(self.mesh)
     self.critic_spec, critic_state, critic_sh, critic_hp = None, None, None, None
     if cfg.uses_critic:
       if critic is None:
         critic = default_critic(policy, int(config.seed) + 1)
-      self.critic_spec, critic_state, critic_sh = state_lib.create_train_state(
-          critic, optim_lib.make_optimizer(o, o.critic_lr, critic_updates), self.mesh, rules,
-          trainable=critic_trainable(bool(o.freeze_critic_attention)))
-      self.critic_spec = dataclasses.replace(self.critic_spec, tx_at=tx_at)
       critic_hp = optim_lib.optim_hparams(o, o.critic_lr, critic_updates)
+      self.critic_spec, critic_state, critic_sh = state_lib.create_train_state(
+          critic, tx_at(critic_hp), self.mesh, rules, trainable=critic_trainable(bool(o.freeze_critic_attention)))
+      self.critic_spec = dataclasses.replace(self.critic_spec, tx_at=tx_at)
     step0 = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=rep)()
     self.state = steps_lib.LearnerState(policy=policy_state, critic=critic_state, step=step0)
     self.state_shardings = steps_lib.LearnerState(policy=policy_sh, critic=critic_sh, step=rep)
@@ -134,7 +134,7 @@ class Learner:
       fn = steps_lib.make_group_step(cfg, self.policy_spec, self.mesh, self.ref_graphdef)
     # The step's numbers (bands, lambdas, coefficients, learning rates, schedules) are inputs, not constants: a
     # config or a sweep that changes only numbers runs the same compiled program (the persistent cache's hit).
-    hparams = steps_lib.step_hparams(cfg, optim_lib.optim_hparams(o, o.actor_lr, policy_updates), critic_hp)
+    hparams = steps_lib.step_hparams(cfg, policy_hp, critic_hp)
     hparams_sh = jax.tree.map(lambda _: rep, hparams)
     self.hparams = state_lib.place(hparams, hparams_sh)
     batch_sh = Batch.map_fields(lambda _, rank: parallel.batch_sharding(self.mesh, rank))

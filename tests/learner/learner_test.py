@@ -376,14 +376,15 @@ class StepPartsTest(absltest.TestCase):
     np.testing.assert_allclose([lr(0), lr(17), lr(34), lr(80)], [1, 0.55, 0.1, 0.1], atol=1e-6)
     with self.assertRaisesRegex(ConfigError, 'total_steps=0'):
       optim_lib.make_schedule(c.optim, 1.0)  # No horizon to decay over.
-    # The learner hands each optimizer its own horizon (policy 34, critic 80), not the other's or none.
+    # The learner hands each optimizer its own horizon (policy 34, critic 80), not the other's or none: the
+    # hyperparameters its update runs with (`Learner.hparams`) and builds its optimizer states from.
     seen = []
     def spy(o, lr, run_steps=None):
       seen.append((lr, run_steps))
-      return make_optimizer(o, lr, run_steps)
-    make_optimizer = optim_lib.make_optimizer
+      return optim_hparams(o, lr, run_steps)
+    optim_hparams = optim_lib.optim_hparams
     c.optim.actor_lr, c.optim.critic_lr = 1e-3, 2e-3
-    with mock.patch.object(optim_lib, 'make_optimizer', spy):
+    with mock.patch.object(optim_lib, 'optim_hparams', spy):
       Learner(c, policy=H.policy_fn(), mesh=H.mesh(1, 1))
     self.assertEqual(seen, [(1e-3, 34), (2e-3, 80)])
     c.trainer.num_steps = 2  # 2 critic-only steps of a 3-step warmup: no decay phase for a 5-step LR warmup.
