@@ -388,8 +388,10 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
                            continuous=bool(config.sampler.continuous),  # Continuous batching (issue 15).
                            decode_steps=int(config.sampler.decode_steps),
                            compile_ahead=bool(config.sampler.compile_ahead),
-                           # Async: episodes bound to come back too stale end in flight (counted).
-                           max_staleness=int(tr.max_staleness) if tr.mode == 'async' else None)
+                           # Async: episodes bound to come back too stale end in flight (counted), and newer
+                           # weights are taken once their update has run (the actors never wait for it).
+                           max_staleness=int(tr.max_staleness) if tr.mode == 'async' else None,
+                           wait_for_weights=tr.mode != 'async')
 
   queue = trajectory_queue.TrajectoryQueue(
       int(tr.queue_size), group_size=group_size, max_staleness=int(tr.max_staleness),

@@ -74,16 +74,21 @@ _DECODE_STEPS = flags.DEFINE_integer('decode_steps', 16, 'With --continuous: dec
 _SETTINGS = flags.DEFINE_list('settings', list(SETTINGS), f'Which of {SETTINGS}.')
 _PROBE = flags.DEFINE_integer('probe_calls', 5, 'Sampler calls of the timing probe (0 = no probe).')
 _JSON = flags.DEFINE_string('json', '', 'Write the calibration measurements (sao_jax.sim.calibrate) here.')
+_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 2, 'Split a CPU host into this many XLA devices '
+                                   '(jax_num_cpu_devices; other platforms ignore it), so that actors and learner '
+                                   'can have devices of their own.')
+_ACTOR_DEVICES = flags.DEFINE_integer('actor_devices', 1, 'config.mesh.actor_devices (0: the actors share the '
+                                      "learner's device, whose programs then run one after another).")
 _CACHE = flags.DEFINE_string('compile_cache', os.path.join(tempfile.gettempdir(), 'sao_jax_bench_cache'),
                              'JAX persistent compilation cache (actor threads compile the same programs).')
 
 
 def bench_config(setting: str, *, quick: bool = False, threads: int = 1, batch: int = 16, call_rows: int = 8,
                  steps: int = 12, workdir: str = '', continuous: bool = True, slots: int = 32,
-                 decode_steps: int = 16):
+                 decode_steps: int = 16, actor_devices: int = 0):
   """The benchmark's trainer config for one of SETTINGS. `continuous`: the async settings' actors play through
   continuous batching with `slots` decode slots each (GRPO: whole groups of G = call_rows stream through them);
-  sync mode keeps its static calls."""
+  sync mode keeps its static calls. `actor_devices`: `config.mesh.actor_devices` (every setting)."""
   if setting not in SETTINGS:
     raise ValueError(f'setting={setting!r} is not one of {SETTINGS}')
   c = base_config.get_config()
@@ -119,6 +124,7 @@ def bench_config(setting: str, *, quick: bool = False, threads: int = 1, batch: 
     c.sampler.decode_steps = decode_steps
     c.sampler.compile_ahead = not quick  # No compile stalls the slots during the measured steps.
     c.trainer.queue_size = threads * slots + batch  # Every slot of every thread can have an episode in flight.
+  c.mesh.actor_devices = actor_devices
   c.trainer.num_steps = steps
   c.trainer.checkpoint_every = 0
   c.trainer.eval_every = 0
@@ -261,14 +267,14 @@ def table(results: dict[str, list[dict]]) -> str:
 def run_benchmark(*, quick: bool = False, settings=SETTINGS, rounds: int = 2, threads: int = 1, batch: int = 16,
                   call_rows: int = 8, steps: int = 12, skip: int = 3, probe_calls: int = 5,
                   json_path: str = '', continuous: bool = True, slots: int = 32,
-                  decode_steps: int = 16) -> dict[str, list[dict]]:
+                  decode_steps: int = 16, actor_devices: int = 0) -> dict[str, list[dict]]:
   """Runs the settings interleaved `rounds` times, prints the table; returns {setting: [figures per run]}.
   `quick`: 2 threads, batch 8 (divisible by the tests' 8 simulated devices) of calls of 4 (continuous: 4 slots),
   3 steps (1 skipped), one round, ms tool times, no probe."""
   if quick:
     threads, batch, call_rows, steps, skip, rounds, probe_calls, slots = 2, 8, 4, 3, 1, 1, 0, 4
   kw = dict(quick=quick, threads=threads, batch=batch, call_rows=call_rows, steps=steps, continuous=continuous,
-            slots=slots, decode_steps=decode_steps)
+            slots=slots, decode_steps=decode_steps, actor_devices=actor_devices)
   unknown = set(settings) - set(SETTINGS)
   if unknown:
     raise ValueError(f'settings: {sorted(unknown)} not in {SETTINGS}')
@@ -310,13 +316,15 @@ def run_benchmark(*, quick: bool = False, settings=SETTINGS, rounds: int = 2, th
 
 def main(argv):
   del argv
+  if _CPU_DEVICES.value:
+    jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)  # Before the first use of the backend.
   if _CACHE.value:
     jax.config.update('jax_compilation_cache_dir', _CACHE.value)
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
   run_benchmark(quick=_QUICK.value, settings=tuple(_SETTINGS.value), rounds=_ROUNDS.value, threads=_THREADS.value,
                 batch=_BATCH.value, call_rows=_CALL.value, steps=_STEPS.value, skip=_SKIP.value,
                 probe_calls=_PROBE.value, json_path=_JSON.value, continuous=_CONTINUOUS.value, slots=_SLOTS.value,
-                decode_steps=_DECODE_STEPS.value)
+                decode_steps=_DECODE_STEPS.value, actor_devices=_ACTOR_DEVICES.value)
 
 
 def write_measurements(path: str, results: dict[str, list[dict]], prb: dict | None, *, threads: int, batch: int,

@@ -21,7 +21,11 @@ copy, dispatched asynchronously: the learner does not wait for it, and the copy 
 its own buffers at the next update). An actor compares versions at every turn (`weight_switch='turn'`,
 turn-level partial rollout: a multi-turn episode may go on with newer weights, every turn records its version)
 or only before each batch of episodes (`'episode'`: one version per episode) and converts the new weights to
-the sampler's decode layout in its own thread.
+the sampler's decode layout in its own thread. The trainer publishes right after dispatching an update, so the
+published arrays are futures of that update: an async actor (`wait_for_weights=False`) takes them only once
+they are computed (`WeightPublisher.ready`) and generates with its current weights meanwhile. Taking them at
+once would stall its next device call behind the whole update, even on devices of its own (a program waits
+for its inputs), and leave the actors idle for every update. A sync actor waits: it must play the newest.
 
 Prompts. `PromptSource` hands out the task's training examples to every actor under a lock, numbered in the
 order taken; a prompt's G rollouts share its number as `group_id`, and each episode's sampling seed is
@@ -132,6 +136,14 @@ class WeightPublisher:
     with self._lock:
       return -1 if self._current is None else self._current[2]
 
+  def ready(self) -> bool:
+    """The newest published weights are computed (their update and copy have run): taking them now costs the
+    actor no wait. Published weights are futures of an update still in flight; a program that reads them waits
+    for it, even on a device of its own."""
+    with self._lock:
+      current = self._current
+    return current is not None and all(x.is_ready() for x in jax.tree.leaves(current[1]))
+
   def latest(self) -> tuple[nnx.Module, int]:
     with self._lock:
       if self._current is None:
@@ -141,16 +153,18 @@ class WeightPublisher:
 
 
 class _FollowingBackend:
-  """A `SamplerBackend` that takes newer published weights before a turn (or only before a batch)."""
+  """A `SamplerBackend` that takes newer published weights before a turn (or only before a batch); with
+  `wait=False` only once they are computed (`WeightPublisher.ready`), going on with its own until then."""
 
-  def __init__(self, inner: SamplerBackend, publisher: WeightPublisher, per_turn: bool):
+  def __init__(self, inner: SamplerBackend, publisher: WeightPublisher, per_turn: bool, wait: bool = True):
     self.inner = inner
     self.publisher = publisher
     self.per_turn = per_turn
+    self.wait = wait
     self.stop_ids = inner.stop_ids
 
   def newer(self) -> bool:
-    return self.publisher.version > self.inner.sampler.version
+    return self.publisher.version > self.inner.sampler.version and (self.wait or self.publisher.ready())
 
   def refresh(self) -> None:
     if self.newer():
@@ -192,6 +206,9 @@ class Actor:
       the staleness filter would drop are ended early and counted (module docstring); None: never.
     compile_ahead: continuous batching: `warmup` compiles every slot program (`config.sampler.compile_ahead`);
       otherwise each compiles at its first use.
+    wait_for_weights: True (sync mode): newer published weights are taken at once, the next call waiting for
+      the update that computes them; False (async mode): only once computed, so the actor never stalls behind
+      the learner's update (module docstring).
   """
 
   def __init__(self, backend: SamplerBackend, tokenizer: Tokenizer, task: Task, prompts: PromptSource, *,
@@ -199,10 +216,10 @@ class Actor:
                group_size: int = 1, episodes_per_call: int = 16, weight_switch: str = 'turn',
                step_timeout_s: float | None = None, continuous: bool = False, decode_steps: int = 16,
                slot_sampler: SlotSampler | None = None, max_staleness: int | None = None,
-               compile_ahead: bool = False):
+               compile_ahead: bool = False, wait_for_weights: bool = True):
     if weight_switch not in WEIGHT_SWITCHES:
       raise ValueError(f'weight_switch={weight_switch!r} is not one of {WEIGHT_SWITCHES}.')
-    self.backend = _FollowingBackend(backend, publisher, per_turn=weight_switch == 'turn')
+    self.backend = _FollowingBackend(backend, publisher, per_turn=weight_switch == 'turn', wait=wait_for_weights)
     self.tokenizer = tokenizer
     self.task = task
     self.prompts = prompts

@@ -9,6 +9,8 @@ import types
 
 from absl.testing import absltest
 from flax import nnx
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sao_jax import rollout
@@ -321,6 +323,41 @@ class ContinuousTest(absltest.TestCase):
     self.assertEqual([t.policy_version for t in item], [6, 6])
     self.assertEqual(actor.drop_stale(), 0)
 
+  def test_an_async_actor_takes_weights_only_once_computed(self):
+    """Published weights still being computed (an update in flight): an async actor (`wait_for_weights=False`)
+    goes on with its own until they are ready, a sync actor takes them at once; once computed both take them.
+    `WeightPublisher.ready` is False for the output of a program still running."""
+    self.addCleanup(self.backend.update_weights, self.model, version=4)
+    publisher = _HeldPublisher()
+    publisher.publish(self.model, version=4)
+    prompts = actor_lib.PromptSource(itertools.cycle(self.examples))
+    actors = {wait: actor_lib.Actor(self.backend, self.tok, self.task, prompts, publisher=publisher,
+                                    limits=self.limits, decoding=_GREEDY, seed=0, wait_for_weights=wait)
+              for wait in (False, True)}
+    publisher.publish(self.model, version=7)
+    publisher.held = True  # Version 7 is still being computed.
+    self.assertFalse(actors[False].backend.newer())
+    actors[False].backend.refresh()
+    self.assertEqual(self.backend.sampler.version, 4)
+    self.assertTrue(actors[True].backend.newer())
+    publisher.held = False
+    self.assertTrue(actors[False].backend.newer())
+    actors[False].backend.refresh()
+    self.assertEqual(self.backend.sampler.version, 7)
+    # The real readiness: a state computed by a program that runs for a while (~1 s of sequential matmuls).
+    spin = jax.jit(lambda x: jax.lax.fori_loop(0, 400, lambda i, a: jnp.tanh(a @ a), x))
+    x = jnp.full((256, 256), 1e-3)
+    spin(x).block_until_ready()  # Compiled.
+    real = actor_lib.WeightPublisher()
+    real.publish(nnx.Linear(1, 1, rngs=nnx.Rngs(0)), version=1)
+    self.assertTrue(real.ready())
+    linear = nnx.Linear(256, 256, rngs=nnx.Rngs(0))
+    linear.kernel.value = spin(x)  # Dispatched: its value is a future for ~1 s.
+    real.publish(linear, version=2)
+    self.assertFalse(real.ready())
+    jax.block_until_ready(real.latest()[0])
+    self.assertTrue(real.ready())
+
   def test_actor_streams_whole_groups_of_the_static_episodes(self):
     """The Actor with `continuous=True`: `play` (sync mode) and its thread's streaming loop (async mode) give
     whole groups, in prompt order for `play`, with the static sampler's greedy episodes."""
@@ -351,6 +388,15 @@ class ContinuousTest(absltest.TestCase):
     self.assertEqual(actor.generated_tokens, sum(t.num_action_tokens for it in items for t in it))
     self.assertEqual(queue.reserved, 2 * 5 - 2 * 2)  # Every started prompt reserved its group's room.
     self.assertEqual(self.slots.num_compiled(), self.compiled)
+
+
+class _HeldPublisher(actor_lib.WeightPublisher):
+  """A publisher whose newest weights read as still being computed while `held`."""
+
+  held = False
+
+  def ready(self):
+    return not self.held and super().ready()
 
 
 class _ListQueue:
