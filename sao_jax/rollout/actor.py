@@ -22,10 +22,10 @@ its own buffers at the next update). An actor compares versions at every turn (`
 turn-level partial rollout: a multi-turn episode may go on with newer weights, every turn records its version)
 or only before each batch of episodes (`'episode'`: one version per episode) and converts the new weights to
 the sampler's decode layout in its own thread. The trainer publishes right after dispatching an update, so the
-published arrays are futures of that update: an async actor (`wait_for_weights=False`) takes them only once
-they are computed (`WeightPublisher.ready`) and generates with its current weights meanwhile. Taking them at
-once would stall its next device call behind the whole update, even on devices of its own (a program waits
-for its inputs), and leave the actors idle for every update. A sync actor waits: it must play the newest.
+published arrays are futures of that update: an async actor (`wait_for_weights=False`) takes the newest
+computed version (`WeightPublisher.latest(computed=True)`), never one in flight: taking that would stall its
+next device call behind the whole update, even on devices of its own (a program waits for its inputs), and
+leave the actors idle for every update. A sync actor waits: it must play the newest.
 
 Prompts. `PromptSource` hands out the task's training examples to every actor under a lock, numbered in the
 order taken; a prompt's G rollouts share its number as `group_id`, and each episode's sampling seed is
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from absl import logging
 import jax
@@ -89,6 +89,12 @@ class PromptSource:
       self._taken = int(state['taken'])
 
 
+class _Published(NamedTuple):
+  graphdef: Any
+  state: Any  # On the actors' sharding; futures until the update that computes them (and the copy) has run.
+  version: int
+
+
 class WeightPublisher:
   """The newest policy weights and their version, copied onto the actors' sharding (module docstring).
 
@@ -100,12 +106,17 @@ class WeightPublisher:
   learner state that spans several processes is first all-gathered on the learner mesh (one jitted program that
   every process runs at the same point of the loop), then each process copies its local replica onto its own
   actor devices.
+
+  Published weights are futures of the update still in flight. Besides the newest, the publisher keeps the
+  newest computed version (`latest(computed=True)`, `computed_version`) until a newer one is computed too: the
+  trainer publishes right after each dispatch, so a busy learner's newest weights are nearly always in flight,
+  and an actor that only takes computed weights must still find the previous version (two copies at most).
   """
 
   def __init__(self, shardings_fn: Callable[[Any], Any] | None = None):
     self._shardings_fn = shardings_fn
     self._lock = threading.Lock()
-    self._current: tuple[Any, Any, int] | None = None  # (graphdef, state, version)
+    self._published: list[_Published] = []  # Oldest first: the newest computed one, then newer ones in flight.
     self._copy = None
     self._target = None
     self._gather = None
@@ -125,36 +136,55 @@ class WeightPublisher:
       state = jax.tree.map(lambda x: x.addressable_data(0), self._gather(state))
     return jax.device_put(state, self._target)
 
+  def _computed(self, entry: _Published) -> bool:
+    """`entry`'s arrays hold values (a program reading them runs at once)."""
+    return all(x.is_ready() for x in jax.tree.leaves(entry.state))
+
+  def _newest_computed(self) -> int | None:
+    """Under the lock: the index of the newest computed entry (older ones are let go), or None."""
+    for i in range(len(self._published) - 1, -1, -1):
+      if self._computed(self._published[i]):
+        del self._published[:i]
+        return 0
+    return None
+
   def publish(self, model: nnx.Module, *, version: int) -> None:
     graphdef, state = nnx.split(model)
     copied = self._to_actors(state)
     with self._lock:
-      self._current = (graphdef, copied, int(version))
+      self._published.append(_Published(graphdef, copied, int(version)))
+      self._newest_computed()
 
   @property
   def version(self) -> int:
+    """The newest published version (-1 before the first)."""
     with self._lock:
-      return -1 if self._current is None else self._current[2]
+      return self._published[-1].version if self._published else -1
 
-  def ready(self) -> bool:
-    """The newest published weights are computed (their update and copy have run): taking them now costs the
-    actor no wait. Published weights are futures of an update still in flight; a program that reads them waits
-    for it, even on a device of its own."""
+  @property
+  def computed_version(self) -> int:
+    """The newest version whose weights are computed (-1 when none is yet)."""
     with self._lock:
-      current = self._current
-    return current is not None and all(x.is_ready() for x in jax.tree.leaves(current[1]))
+      i = self._newest_computed()
+      return -1 if i is None else self._published[i].version
 
-  def latest(self) -> tuple[nnx.Module, int]:
+  def latest(self, computed: bool = False) -> tuple[nnx.Module, int]:
+    """The newest published weights as a model, with their version; `computed`: the newest computed ones
+    (taking them costs no wait; a program reading weights still in flight waits for their update, even on
+    devices of its own)."""
     with self._lock:
-      if self._current is None:
+      if not self._published:
         raise RuntimeError('No weights have been published yet.')
-      graphdef, state, version = self._current
-    return nnx.merge(graphdef, state), version
+      i = self._newest_computed() if computed else len(self._published) - 1
+      if i is None:
+        raise RuntimeError('No published weights are computed yet.')
+      entry = self._published[i]
+    return nnx.merge(entry.graphdef, entry.state), entry.version
 
 
 class _FollowingBackend:
   """A `SamplerBackend` that takes newer published weights before a turn (or only before a batch); with
-  `wait=False` only once they are computed (`WeightPublisher.ready`), going on with its own until then."""
+  `wait=False` the newest computed ones (`WeightPublisher.latest(computed=True)`), never waiting for an update."""
 
   def __init__(self, inner: SamplerBackend, publisher: WeightPublisher, per_turn: bool, wait: bool = True):
     self.inner = inner
@@ -164,11 +194,12 @@ class _FollowingBackend:
     self.stop_ids = inner.stop_ids
 
   def newer(self) -> bool:
-    return self.publisher.version > self.inner.sampler.version and (self.wait or self.publisher.ready())
+    published = self.publisher.version if self.wait else self.publisher.computed_version
+    return published > self.inner.sampler.version
 
   def refresh(self) -> None:
     if self.newer():
-      model, version = self.publisher.latest()
+      model, version = self.publisher.latest(computed=not self.wait)
       self.inner.update_weights(model, version=version)
 
   def first_turn(self, prompts, budgets, *, decoding, seeds):
