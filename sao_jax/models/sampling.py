@@ -130,16 +130,10 @@ def categorical_icdf(logprobs: jax.Array, uniforms: jax.Array, *, block: int = 1
     int32 `[B]` token ids with `P(token = i) = exp(logprobs[i])`.
   """
   chex.assert_rank(logprobs, 2)
-  return categorical_icdf_probs(jnp.exp(logprobs), uniforms, block=block)
-
-
-def categorical_icdf_probs(probs: jax.Array, uniforms: jax.Array, *, block: int = 128) -> jax.Array:
-  """`categorical_icdf` from probabilities `[B, V]` (>= 0, not necessarily normalised: row b draws token i with
-  probability `probs[b, i] / sum(probs[b])`)."""
-  chex.assert_rank(probs, 2)
-  chex.assert_shape(uniforms, probs.shape[:1])
-  b, v = probs.shape
+  chex.assert_shape(uniforms, logprobs.shape[:1])
+  b, v = logprobs.shape
   pad = (-v) % block
+  probs = jnp.exp(logprobs)
   if pad:
     probs = jnp.pad(probs, ((0, 0), (0, pad)))
   nb = probs.shape[1] // block
@@ -185,8 +179,6 @@ def select_tokens(logits: jax.Array,
   b, _ = logits.shape
   chex.assert_shape(seeds, (b,))
   logits = logits.astype(jnp.float32)
-  if params.is_policy and banned is not None:
-    return _select_policy_banned(logits, jnp.broadcast_to(banned, logits.shape), seeds, step)
   policy_lse = jax.nn.logsumexp(logits, axis=-1)
 
   z = logits
@@ -213,26 +205,4 @@ def select_tokens(logits: jax.Array,
   policy_lp = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - policy_lse
   if params.is_policy and banned is None:
     sampling_lp = policy_lp
-  return tokens, policy_lp, sampling_lp
-
-
-def _select_policy_banned(logits: jax.Array, banned: jax.Array, seeds: jax.Array,
-                          step: jax.Array | int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`select_tokens` at temperature 1 without a cut, with banned tokens: the sampling distribution is the policy
-  restricted to the allowed tokens A, `q(i) = exp(z_i - m_A) / s_A` for i in A, with `m_A = max_{j in A} z_j`
-  and `s_A = sum_{j in A} exp(z_j - m_A)`, and `log pi(a) = z_a - m - log s` over all tokens. One pass of
-  maxima and one of exponentials serve both log-probs and the draw (the general path takes three passes of
-  exponentials; on SmolLM2 at B = 32 this is ~9 -> ~5 ms CPU per step). The draw is that of `categorical_icdf`
-  on the same distribution: `categorical_icdf_probs` of the unnormalised `exp(z_i - m_A)` (it renormalises)."""
-  allowed = ~banned
-  m_all = jnp.max(logits, axis=-1, keepdims=True)
-  m_ok = jnp.max(jnp.where(allowed, logits, _NEG_INF), axis=-1, keepdims=True)
-  s_all = jnp.sum(jnp.exp(logits - m_all), axis=-1)
-  probs = jnp.where(allowed, jnp.exp(logits - m_ok), 0.0)  # Unnormalised q; m_ok keeps it from underflowing.
-  s_ok = jnp.sum(probs, axis=-1)
-  uniforms = jax.vmap(jax.random.uniform)(row_keys(seeds, step))
-  tokens = categorical_icdf_probs(probs, uniforms)
-  z = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-  policy_lp = z - m_all[:, 0] - jnp.log(s_all)
-  sampling_lp = z - m_ok[:, 0] - jnp.log(s_ok)
   return tokens, policy_lp, sampling_lp

@@ -129,7 +129,7 @@ class SelectTokensTest(parameterized.TestCase):
         np.testing.assert_array_equal(mask[b], ref, err_msg=f'top_p={top_p} row={b}')
 
   def test_policy_with_banned_tokens_draws_from_the_allowed_policy(self):
-    # Temperature 1 without a cut but with banned tokens (the sampler's min_new_tokens) has its own path.
+    # Temperature 1 without a cut but with banned tokens: what the sampler runs until min_new_tokens.
     z = np.asarray(jax.random.normal(jax.random.key(6), (60,))) * 2
     z[7] = 30.0  # A banned token that holds almost all of the policy's mass.
     banned = np.zeros((60,), bool)
