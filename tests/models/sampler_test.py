@@ -128,7 +128,25 @@ class SelectTokensTest(parameterized.TestCase):
         ref[order[:keep_n]] = True
         np.testing.assert_array_equal(mask[b], ref, err_msg=f'top_p={top_p} row={b}')
 
+  def test_policy_with_banned_tokens_draws_from_the_allowed_policy(self):
+    # Temperature 1 without a cut but with banned tokens: what the sampler runs until min_new_tokens.
+    z = np.asarray(jax.random.normal(jax.random.key(6), (60,))) * 2
+    z[7] = 30.0  # A banned token that holds almost all of the policy's mass.
+    banned = np.zeros((60,), bool)
+    banned[[7, 59]] = True
+    n = 30000
+    tok, lp, slp = sampling.select_tokens(jnp.broadcast_to(jnp.asarray(z), (n, 60)), jnp.arange(n, dtype=jnp.uint32),
+                                          3, SamplingParams(), banned=jnp.asarray(banned))
+    tok = np.asarray(tok)
+    q = np.exp(_log_softmax(np.where(banned, -np.inf, z)[None])[0])
+    counts = np.bincount(tok, minlength=60)
+    self.assertEqual(counts[banned].sum(), 0)
+    np.testing.assert_array_less(np.abs(counts - n * q), 5 * np.sqrt(n * q * (1 - q)) + 1)
+    np.testing.assert_allclose(lp, _log_softmax(z[None])[0][tok], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(slp, np.log(q)[tok], atol=1e-5)
+
   @parameterized.named_parameters(
+      ('policy', SamplingParams()),
       ('temperature', SamplingParams(temperature=0.7)),
       ('top_k', SamplingParams(top_k=5)),
       ('top_p', SamplingParams(top_p=0.8)),
