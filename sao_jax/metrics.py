@@ -27,7 +27,6 @@ from typing import Any
 from absl import logging
 import jax
 import numpy as np
-import tensorboardX
 
 METRICS_FILE = 'metrics.jsonl'
 
@@ -132,6 +131,8 @@ class MetricsWriter:
         logging.info('metrics.jsonl: dropped %d row(s) past the restored step %d.', dropped, resume_step)
     self._file = open(os.path.join(workdir, METRICS_FILE), 'a', encoding='utf-8')
     if tensorboard:
+      # Imported here: tensorboardX imports torch when it is installed (about 2 s of every process's start).
+      import tensorboardX  # pylint: disable=g-import-not-at-top
       self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, 'tensorboard'),
                                             purge_step=None if resume_step is None else resume_step + 1)
     if wandb_project:

@@ -16,10 +16,12 @@ TINY = _tiny.TINY  # configs/_tiny.py: one tiny override for every config.
 
 
 def subprocess_env(devices: int = 1) -> dict[str, str]:
-  """Environment of a child run: CPU with `devices` simulated devices; it inherits the suite's persistent
-  compilation cache (tests/conftest.py), so a program compiled by any process of the run is loaded, not
-  compiled again."""
-  return dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=multiprocess.child_xla_flags(devices), PYTHONPATH=ROOT)
+  """Environment of a child run: CPU with `devices` simulated devices, compiled without fusion emitters (no test
+  compares a child run's floats with another program's: `multiprocess.NO_FUSION_EMITTERS`); it inherits the
+  suite's persistent compilation cache (tests/conftest.py), so a program compiled by any process of the run with
+  the same flags is loaded, not compiled again."""
+  return dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=multiprocess.child_xla_flags(devices, fusion_emitters=False),
+              PYTHONPATH=ROOT)
 
 
 def main_command(config_file: str, workdir: str, overrides: dict[str, Any]) -> list[str]:

@@ -40,9 +40,6 @@ CONFIG = 'configs/arith.py'
 # learner on the other 3 (a global learner mesh of 6, so a batch of 6: 3 rows per process).
 BATCH = 6
 ROWS = BATCH // 2  # Each process's rows of a global batch.
-# Compiles faster still; its float32 rounding differs a little from the default's (no test here compares floats
-# across programs).
-NO_FUSION_EMITTERS = ('--xla_cpu_use_fusion_emitters=false',)
 TIMEOUT_S = 600  # Per launch: only a hang reaches it (a healthy launch is compile-bound: about 40 s of CPU per
 # process before FAST_COMPILE; 2 minutes of wall time at a load of 8 on 2 cores).
 
@@ -70,16 +67,16 @@ class MultiHostTest(absltest.TestCase):
     workdir = os.path.join(out, 'work')
 
     # Launch 1: steps 1-2, checkpoint 2 (the last step).
-    first = multiprocess.start(command(workdir, 2), out, devices_per_process=4, xla_flags=NO_FUSION_EMITTERS,
-                               name='first')
+    first = multiprocess.start(command(workdir, 2), out, devices_per_process=4,
+                               xla_flags=multiprocess.NO_FUSION_EMITTERS, name='first')
     multiprocess.wait(self, first, timeout_s=TIMEOUT_S)
     self.assertEqual(steps_written(workdir), [1, 2])
     self.assertEqual([s['taken'] for s in data_at(workdir, 2)], [2 * ROWS] * 2)
 
     # Launch 2: the same command with more steps resumes at 2; once step 3 is written, SIGTERM reaches process 1
     # only: both processes stop at the same step N, save it and exit 0.
-    second = multiprocess.start(command(workdir, 1000), out, devices_per_process=4, xla_flags=NO_FUSION_EMITTERS,
-                                name='second')
+    second = multiprocess.start(command(workdir, 1000), out, devices_per_process=4,
+                                xla_flags=multiprocess.NO_FUSION_EMITTERS, name='second')
     deadline = time.monotonic() + TIMEOUT_S
     while max(steps_written(workdir), default=0) < 3:
       if time.monotonic() > deadline or any(p.popen.poll() is not None for p in second):
