@@ -140,12 +140,12 @@ class WeightPublisher:
     """`entry`'s arrays hold values (a program reading them runs at once)."""
     return all(x.is_ready() for x in jax.tree.leaves(entry.state))
 
-  def _newest_computed(self) -> int | None:
-    """Under the lock: the index of the newest computed entry (older ones are let go), or None."""
+  def _newest_computed(self) -> _Published | None:
+    """Under the lock: the newest computed entry (older ones are let go), or None."""
     for i in range(len(self._published) - 1, -1, -1):
       if self._computed(self._published[i]):
         del self._published[:i]
-        return 0
+        return self._published[0]
     return None
 
   def publish(self, model: nnx.Module, *, version: int) -> None:
@@ -165,8 +165,8 @@ class WeightPublisher:
   def computed_version(self) -> int:
     """The newest version whose weights are computed (-1 when none is yet)."""
     with self._lock:
-      i = self._newest_computed()
-      return -1 if i is None else self._published[i].version
+      entry = self._newest_computed()
+      return -1 if entry is None else entry.version
 
   def latest(self, computed: bool = False) -> tuple[nnx.Module, int]:
     """The newest published weights as a model, with their version; `computed`: the newest computed ones
@@ -175,10 +175,9 @@ class WeightPublisher:
     with self._lock:
       if not self._published:
         raise RuntimeError('No weights have been published yet.')
-      i = self._newest_computed() if computed else len(self._published) - 1
-      if i is None:
+      entry = self._newest_computed() if computed else self._published[-1]
+      if entry is None:
         raise RuntimeError('No published weights are computed yet.')
-      entry = self._published[i]
     return nnx.merge(entry.graphdef, entry.state), entry.version
 
 
