@@ -239,13 +239,17 @@ class ContinuousTest(absltest.TestCase):
   def test_dropped_episodes_free_their_slots_and_the_others_run_on(self):
     """`drop_older_than(5)` ends the episodes whose first token came from version 4: one whose env step is still
     running keeps its slot until the step ends (its result discarded), while the other slot runs the episodes
-    that come after, at version 5, exactly as the static sampler plays them."""
+    that come after, at version 5, exactly as the static sampler plays them. Episode 1's env steps wait until
+    episode 0's first one is running: however the env threads are scheduled, episode 1 is still running then."""
     stepping, released = threading.Event(), threading.Event()
+    self.addCleanup(released.set)
 
     def on_step(env):
       if env.example.uid == '0':
         stepping.set()
         self.assertTrue(released.wait(timeout=60), 'never released')
+      elif env.example.uid == '1':
+        self.assertTrue(stepping.wait(timeout=60), "episode 0's env step never began")
 
     task = helpers.EchoTask(self.examples, 'message', self.stop_texts, 3, on_step)
     runner = ContinuousRunner(self.slots, self.tok, limits=self.limits, decoding=_GREEDY)
