@@ -293,12 +293,27 @@ class ContinuousTest(absltest.TestCase):
 
   def test_actor_drops_whole_groups_bound_to_be_stale(self):
     """With `max_staleness=1`, once version 6 is published every group with a rollout started at version 4 is
-    dropped whole (its finished, running and waiting rollouts) and counted; the next prompt plays at version 6."""
+    dropped whole (its finished, running and waiting rollouts) and counted; the next prompt plays at version 6.
+    The env steps of prompt 0's second rollout to reach one wait until the drop, so its first rollout finishes
+    alone, however the env threads are scheduled (two rollouts finishing in one step would complete the group)."""
     self.addCleanup(self.backend.update_weights, self.model, version=4)
+    free, lock, released = [], threading.Lock(), threading.Event()
+    self.addCleanup(released.set)
+
+    def on_step(env):
+      if env.example.uid == '0':
+        with lock:
+          if not free:
+            free.append(env)
+          held = env is not free[0]
+        if held:
+          self.assertTrue(released.wait(timeout=60), 'never released')
+
+    task = helpers.EchoTask(self.examples, 'message', self.stop_texts, 3, on_step)
     publisher = actor_lib.WeightPublisher()
     publisher.publish(self.model, version=4)
     prompts = actor_lib.PromptSource(itertools.cycle(self.examples))
-    actor = actor_lib.Actor(self.backend, self.tok, self.task, prompts, publisher=publisher, limits=self.limits,
+    actor = actor_lib.Actor(self.backend, self.tok, task, prompts, publisher=publisher, limits=self.limits,
                             decoding=_SAMPLED, seed=1, group_size=2, episodes_per_call=2, continuous=True,
                             slot_sampler=self.slots, max_staleness=1)
     actor.submit(2)  # Prompts 0 and 1: four rollouts in two slots.
@@ -317,6 +332,7 @@ class ContinuousTest(absltest.TestCase):
     self.assertEqual(actor.dropped_stale, 4)
     self.assertFalse(actor.runner.pending)
     self.assertEmpty(actor._groups)  # pylint: disable=protected-access
+    released.set()  # The dropped rollout's env step ends; its slot comes back.
     actor.submit(1)
     items = []
     for _ in range(500):
