@@ -374,20 +374,28 @@ class ContinuousTest(absltest.TestCase):
     self.assertLen(publisher._published, 1)  # pylint: disable=protected-access  (older copies let go)
     # The real readiness: a state computed by a program still running. Its length is calibrated on this machine
     # (~1.5 s: a loop of small sequential matmuls, with a trip count that is an argument, so no recompile); what
-    # is asserted is bracketed by the array's own readiness read after the publisher's answer.
+    # is asserted is bracketed by the array's own readiness read after the publisher's answer. An answer read
+    # after the program ended (this thread descheduled that long) tells nothing: that try is repeated with a
+    # program 4x longer, never counted as a pass.
     spin = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda i, a: jnp.tanh(a @ a), x))
     x = jnp.full((64, 64), 1e-3)
     spin(x, 10).block_until_ready()  # Compiled.
     start = time.perf_counter()
     spin(x, 200).block_until_ready()
     n = int(200 * 1.5 / max(time.perf_counter() - start, 1e-4))
-    real = actor_lib.WeightPublisher()
-    real.publish(nnx.Linear(1, 1, rngs=nnx.Rngs(0)), version=1)
-    linear = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
-    linear.kernel.value = spin(x, n)  # Dispatched: its value is a future for ~1.5 s.
-    real.publish(linear, version=2)
-    answer = (real.version, real.computed_version, real.latest(computed=True)[1])
-    self.assertFalse(linear.kernel.value.is_ready(), 'the program ended before the publisher was asked')
+    for _ in range(3):
+      real = actor_lib.WeightPublisher()
+      real.publish(nnx.Linear(1, 1, rngs=nnx.Rngs(0)), version=1)
+      linear = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+      linear.kernel.value = spin(x, n)  # Dispatched: its value is a future for ~1.5 s.
+      real.publish(linear, version=2)
+      answer = (real.version, real.computed_version, real.latest(computed=True)[1])
+      if not linear.kernel.value.is_ready():
+        break
+      jax.block_until_ready(linear.kernel.value)
+      n *= 4
+    else:
+      self.fail('the program ended before the publisher was asked, 3 times')
     self.assertEqual(answer, (2, 1, 1))
     jax.block_until_ready(real.latest()[0])
     self.assertEqual(real.computed_version, 2)
