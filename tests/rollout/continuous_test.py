@@ -239,8 +239,9 @@ class ContinuousTest(absltest.TestCase):
   def test_dropped_episodes_free_their_slots_and_the_others_run_on(self):
     """`drop_older_than(5)` ends the episodes whose first token came from version 4: one whose env step is still
     running keeps its slot until the step ends (its result discarded), while the other slot runs the episodes
-    that come after, at version 5, exactly as the static sampler plays them. Episode 1's env steps wait until
-    episode 0's first one is running: however the env threads are scheduled, episode 1 is still running then."""
+    that come after, at version 5, exactly as the static sampler plays them. Once episode 0's env step is
+    submitted the loop waits for it to begin: however the env threads are scheduled, episode 1 is still running
+    then."""
     stepping, released = threading.Event(), threading.Event()
     self.addCleanup(released.set)
 
@@ -248,8 +249,6 @@ class ContinuousTest(absltest.TestCase):
       if env.example.uid == '0':
         stepping.set()
         self.assertTrue(released.wait(timeout=60), 'never released')
-      elif env.example.uid == '1':
-        self.assertTrue(stepping.wait(timeout=60), "episode 0's env step never began")
 
     task = helpers.EchoTask(self.examples, 'message', self.stop_texts, 3, on_step)
     runner = ContinuousRunner(self.slots, self.tok, limits=self.limits, decoding=_GREEDY)
@@ -259,6 +258,10 @@ class ContinuousTest(absltest.TestCase):
     done = {}
     for _ in range(100):  # Episodes 0 and 1 start at version 4; run until episode 0's first env step is running.
       done.update(runner.step())
+      # pylint: disable-next=protected-access
+      stepping_slots, running = set(runner._env_steps.values()), runner._running
+      if any(run.key == 0 for s, run in running.items() if s in stepping_slots):
+        self.assertTrue(stepping.wait(timeout=60), "episode 0's env step never began")
       if stepping.is_set():
         break
     self.assertTrue(stepping.is_set())
