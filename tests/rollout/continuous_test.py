@@ -239,8 +239,11 @@ class ContinuousTest(absltest.TestCase):
   def test_dropped_episodes_free_their_slots_and_the_others_run_on(self):
     """`drop_older_than(5)` ends the episodes whose first token came from version 4: one whose env step is still
     running keeps its slot until the step ends (its result discarded), while the other slot runs the episodes
-    that come after, at version 5, exactly as the static sampler plays them."""
+    that come after, at version 5, exactly as the static sampler plays them. Once episode 0's env step is
+    submitted the loop waits for it to begin: however the env threads are scheduled, episode 1 is still running
+    then."""
     stepping, released = threading.Event(), threading.Event()
+    self.addCleanup(released.set)
 
     def on_step(env):
       if env.example.uid == '0':
@@ -255,6 +258,10 @@ class ContinuousTest(absltest.TestCase):
     done = {}
     for _ in range(100):  # Episodes 0 and 1 start at version 4; run until episode 0's first env step is running.
       done.update(runner.step())
+      # pylint: disable-next=protected-access
+      stepping_slots, running = set(runner._env_steps.values()), runner._running
+      if any(run.key == 0 for s, run in running.items() if s in stepping_slots):
+        self.assertTrue(stepping.wait(timeout=60), "episode 0's env step never began")
       if stepping.is_set():
         break
     self.assertTrue(stepping.is_set())
@@ -289,12 +296,27 @@ class ContinuousTest(absltest.TestCase):
 
   def test_actor_drops_whole_groups_bound_to_be_stale(self):
     """With `max_staleness=1`, once version 6 is published every group with a rollout started at version 4 is
-    dropped whole (its finished, running and waiting rollouts) and counted; the next prompt plays at version 6."""
+    dropped whole (its finished, running and waiting rollouts) and counted; the next prompt plays at version 6.
+    The env steps of prompt 0's second rollout to reach one wait until the drop, so its first rollout finishes
+    alone, however the env threads are scheduled (two rollouts finishing in one step would complete the group)."""
     self.addCleanup(self.backend.update_weights, self.model, version=4)
+    free, lock, released = [], threading.Lock(), threading.Event()
+    self.addCleanup(released.set)
+
+    def on_step(env):
+      if env.example.uid == '0':
+        with lock:
+          if not free:
+            free.append(env)
+          held = env is not free[0]
+        if held:
+          self.assertTrue(released.wait(timeout=60), 'never released')
+
+    task = helpers.EchoTask(self.examples, 'message', self.stop_texts, 3, on_step)
     publisher = actor_lib.WeightPublisher()
     publisher.publish(self.model, version=4)
     prompts = actor_lib.PromptSource(itertools.cycle(self.examples))
-    actor = actor_lib.Actor(self.backend, self.tok, self.task, prompts, publisher=publisher, limits=self.limits,
+    actor = actor_lib.Actor(self.backend, self.tok, task, prompts, publisher=publisher, limits=self.limits,
                             decoding=_SAMPLED, seed=1, group_size=2, episodes_per_call=2, continuous=True,
                             slot_sampler=self.slots, max_staleness=1)
     actor.submit(2)  # Prompts 0 and 1: four rollouts in two slots.
@@ -313,6 +335,7 @@ class ContinuousTest(absltest.TestCase):
     self.assertEqual(actor.dropped_stale, 4)
     self.assertFalse(actor.runner.pending)
     self.assertEmpty(actor._groups)  # pylint: disable=protected-access
+    released.set()  # The dropped rollout's env step ends; its slot comes back.
     actor.submit(1)
     items = []
     for _ in range(500):
@@ -354,20 +377,28 @@ class ContinuousTest(absltest.TestCase):
     self.assertLen(publisher._published, 1)  # pylint: disable=protected-access  (older copies let go)
     # The real readiness: a state computed by a program still running. Its length is calibrated on this machine
     # (~1.5 s: a loop of small sequential matmuls, with a trip count that is an argument, so no recompile); what
-    # is asserted is bracketed by the array's own readiness read after the publisher's answer.
+    # is asserted is bracketed by the array's own readiness read after the publisher's answer. An answer read
+    # after the program ended (this thread descheduled that long) tells nothing: that try is repeated with a
+    # program 4x longer, never counted as a pass.
     spin = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda i, a: jnp.tanh(a @ a), x))
     x = jnp.full((64, 64), 1e-3)
     spin(x, 10).block_until_ready()  # Compiled.
     start = time.perf_counter()
     spin(x, 200).block_until_ready()
     n = int(200 * 1.5 / max(time.perf_counter() - start, 1e-4))
-    real = actor_lib.WeightPublisher()
-    real.publish(nnx.Linear(1, 1, rngs=nnx.Rngs(0)), version=1)
-    linear = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
-    linear.kernel.value = spin(x, n)  # Dispatched: its value is a future for ~1.5 s.
-    real.publish(linear, version=2)
-    answer = (real.version, real.computed_version, real.latest(computed=True)[1])
-    self.assertFalse(linear.kernel.value.is_ready(), 'the program ended before the publisher was asked')
+    for _ in range(3):
+      real = actor_lib.WeightPublisher()
+      real.publish(nnx.Linear(1, 1, rngs=nnx.Rngs(0)), version=1)
+      linear = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+      linear.kernel.value = spin(x, n)  # Dispatched: its value is a future for ~1.5 s.
+      real.publish(linear, version=2)
+      answer = (real.version, real.computed_version, real.latest(computed=True)[1])
+      if not linear.kernel.value.is_ready():
+        break
+      jax.block_until_ready(linear.kernel.value)
+      n *= 4
+    else:
+      self.fail('the program ended before the publisher was asked, 3 times')
     self.assertEqual(answer, (2, 1, 1))
     jax.block_until_ready(real.latest()[0])
     self.assertEqual(real.computed_version, 2)
