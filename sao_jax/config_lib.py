@@ -182,6 +182,7 @@ FIELDS: dict[str, Check] = {
     'sampler.num_threads': _int(ge=1),
     'sampler.continuous': Check(bool),
     'sampler.decode_steps': _int(ge=1),
+    'sampler.refill_rows': _int(ge=0),
     'sampler.compile_ahead': Check(bool),
     # ---- task (registry.validate_task_config: name, max_turns, eval_size, kwargs by the task's options)
     'task.name': Check(str),

@@ -2,7 +2,7 @@ r"""Rollout throughput on long-tailed episodes: static batches (`run_episodes`) 
 (`run_continuous`) at the same slot count.
 
   python -m sao_jax.benchmarks.rollout [--model=tiny | --hf_dir=/path/to/smollm2-hf] \
-      [--episodes=128 --slots=16 --workloads=single,multi --repeats=2 --decode_steps=32 --refill_rows=4]
+      [--episodes=128 --slots=16 --workloads=single,multi --repeats=2 --decode_steps=32 --refill_rows=1,4]
 
 Workloads (the same episodes, the same seeds, for both runners):
 
@@ -18,8 +18,9 @@ slowest of the batch's env steps, which run concurrently); the continuous runner
 and steps envs in a thread pool. Figures: completed episodes/s and generated (action) tokens/s, median of
 `--repeats` interleaved runs after one warm-up run of each (compilation excluded), with the machine's load average
 printed alongside, and the process CPU seconds of each (on a machine loaded by others the CPU ratio is the steadier
-figure). For the continuous runner a line per run says its decode steps, chunks, admissions and the CPU seconds in
-each.
+figure). The continuous runner runs once per `--refill_rows` value (free slots a decode chunk waits for while
+episodes wait: 1 refills a slot at once), interleaved with the static runs; a line per run says its decode steps,
+chunks, admissions and the wall and CPU seconds in each kind of device call.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ _MAX_LEN = flags.DEFINE_integer('max_len', 512, 'Longest episode (tokens).')
 _TURNS = flags.DEFINE_integer('turns', 3, 'Turns of a multi-turn episode.')
 _TOOL_MS = flags.DEFINE_float('tool_ms', 80.0, 'Median tool latency (ms), clipped to [20, 500].')
 _DECODE_STEPS = flags.DEFINE_integer('decode_steps', 32, 'Decode steps per continuous chunk (at most).')
-_REFILL_ROWS = flags.DEFINE_integer('refill_rows', 0, 'While episodes wait, a continuous chunk ends once this many '
-                                    'slots are free (0: the runner\'s default, a quarter of the slots).')
+_REFILL_ROWS = flags.DEFINE_list('refill_rows', ['1', '4'], 'Continuous runs, one per value: while episodes wait, '
+                                 'a decode chunk ends once this many slots are free (1: a slot is refilled at once).')
 _SEED = flags.DEFINE_integer('seed', 0, 'Workload and sampling seed.')
 
 
@@ -146,18 +147,26 @@ def main(argv):
                                   seeds=seeds[i:i + slots_n])
     return out
 
-  def run_cont(envs):
+  def run_cont(envs, refill):
     return run_continuous(slot_sampler, tok, envs, limits=limits, decoding=decoding, seeds=seeds[:len(envs)],
-                          refill_rows=_REFILL_ROWS.value or None)
+                          refill_rows=refill)
 
-  # Where the continuous runner's time goes: device calls, decode steps run, CPU seconds in each kind of call.
+  refills = [int(x) for x in _REFILL_ROWS.value]
+  if not refills or min(refills) < 1:
+    raise ValueError(f'--refill_rows must list values >= 1, got {_REFILL_ROWS.value}.')
+  runners = [('static', run_static)] + [
+      (f'continuous (refill {r})' if len(refills) > 1 else 'continuous', lambda envs, r=r: run_cont(envs, r))
+      for r in refills]
+
+  # Where the continuous runner's time goes: device calls, decode steps run, wall and CPU seconds in each kind.
   calls = collections.defaultdict(float)
 
   def counted(kind, method):
     def call(*args, **kwargs):
-      t0 = time.process_time()
+      t0, c0 = time.perf_counter(), time.process_time()
       out = method(*args, **kwargs)
-      calls[f'{kind}_cpu'] += time.process_time() - t0
+      calls[f'{kind}_wall'] += time.perf_counter() - t0
+      calls[f'{kind}_cpu'] += time.process_time() - c0
       calls[f'{kind}_calls'] += 1
       if kind == 'decode':
         calls['decode_steps'] += max((len(r.ids) for r in out), default=0)  # Steps the chunk ran.
@@ -172,10 +181,10 @@ def main(argv):
   print('|---|---|---|---|---|---|---|---|---|')
   for kind in _WORKLOADS.value:
     work = _workload(kind, n, rng)
-    runs = {'static': [], 'continuous': []}
+    runs = {label: [] for label, _ in runners}
     tokens = 0
     for r in range(_REPEATS.value + 1):
-      for label, fn in (('static', run_static), ('continuous', run_cont)):
+      for label, fn in runners:
         envs = _envs(work, prompts)
         calls.clear()
         t0, c0 = time.perf_counter(), time.process_time()
@@ -185,10 +194,12 @@ def main(argv):
         if r == 0:
           continue  # Warm-up (compiles the static sampler's programs).
         runs[label].append((wall, tokens, cpu))
-        if label == 'continuous':
-          print(f'# {kind} continuous run {r}: {calls["decode_steps"]:.0f} decode steps in {calls["decode_calls"]:.0f} '
-                f'chunks, {calls["admit_calls"]:.0f} admissions; CPU s: decode {calls["decode_cpu"]:.2f}, admit '
-                f'{calls["admit_cpu"]:.2f}, rest {cpu - calls["decode_cpu"] - calls["admit_cpu"]:.2f}')
+        if label != 'static':
+          print(f'# {kind} {label} run {r}: {calls["decode_steps"]:.0f} decode steps in {calls["decode_calls"]:.0f} '
+                f'chunks, {calls["admit_calls"]:.0f} admissions; wall s: decode {calls["decode_wall"]:.2f}, admit '
+                f'{calls["admit_wall"]:.2f}, rest {wall - calls["decode_wall"] - calls["admit_wall"]:.2f}; CPU s: '
+                f'decode {calls["decode_cpu"]:.2f}, admit {calls["admit_cpu"]:.2f}, rest '
+                f'{cpu - calls["decode_cpu"] - calls["admit_cpu"]:.2f}')
     if kind == 'single':
       lengths = [w[0][0] for w in work]
       static_steps = sum(max(lengths[i:i + slots_n]) for i in range(0, n, slots_n))

@@ -231,6 +231,8 @@ class Actor:
       slots of a `SlotSampler` over the backend's sampler (same weights), refilled as episodes end; newer
       weights are taken between decode chunks ('turn') or between episodes ('episode').
     decode_steps: decode steps per continuous chunk (`config.sampler.decode_steps`).
+    refill_rows: continuous: free slots a decode chunk waits for while episodes wait
+      (`config.sampler.refill_rows`, see `ContinuousRunner`; None: a quarter of the slots).
     slot_sampler: an existing `SlotSampler` over `backend.sampler` to reuse.
     max_staleness: continuous batching in async mode (`config.trainer.max_staleness`): episodes in flight that
       the staleness filter would drop are ended early and counted (module docstring); None: never.
@@ -245,7 +247,7 @@ class Actor:
                publisher: WeightPublisher, limits: EpisodeLimits, decoding: SamplingParams, seed: int,
                group_size: int = 1, episodes_per_call: int = 16, weight_switch: str = 'turn',
                step_timeout_s: float | None = None, continuous: bool = False, decode_steps: int = 16,
-               slot_sampler: SlotSampler | None = None, max_staleness: int | None = None,
+               refill_rows: int | None = None, slot_sampler: SlotSampler | None = None, max_staleness: int | None = None,
                compile_ahead: bool = False, wait_for_weights: bool = True):
     if weight_switch not in WEIGHT_SWITCHES:
       raise ValueError(f'weight_switch={weight_switch!r} is not one of {WEIGHT_SWITCHES}.')
@@ -270,7 +272,7 @@ class Actor:
                           decode_steps=decode_steps)
       self.runner = ContinuousRunner(slots, tokenizer, limits=limits, decoding=decoding,
                                      step_timeout_s=step_timeout_s, follower=self.backend,
-                                     per_episode_weights=weight_switch == 'episode')
+                                     per_episode_weights=weight_switch == 'episode', refill_rows=refill_rows)
     self._groups: dict[int, list[types.Trajectory]] = {}
 
   @property

@@ -16,8 +16,9 @@ end; the host loop alternates
    each turn's first token;
 4. decode: one chunk of at most `decode_steps` steps over all slots (per-slot active mask); a slot whose turn
    ended (stop token, budget) hands the turn to the env pool and waits for its observation. While new
-   episodes wait, the chunk ends as soon as `refill_rows` more slots are free, so they are admitted together
-   (few device calls, each with a fixed dispatch and sync cost) without leaving slots idle for long.
+   episodes wait, the chunk ends as soon as `refill_rows` more slots are free (1: a freed slot is refilled at
+   once; the default, a quarter of the slots, admits several together: fewer device calls, each with a fixed
+   cost, for a few idle slot-steps).
 
 When no slot can decode and nothing is ready to admit, the loop waits for the first env step to finish.
 
@@ -90,9 +91,10 @@ class ContinuousRunner:
     follower: newer weights (None: the sampler's weights never change here).
     per_episode_weights: take newer weights only between episodes (module docstring).
     refill_rows: while new episodes wait, a decode chunk ends as soon as this many more slots are free (they
-      are admitted together in the next call); default a quarter of the slots. 1 frees a slot at once; more
-      rows per admission mean fewer device calls (each costs a fixed dispatch and sync) for a few idle
-      slot-steps.
+      are admitted together in the next call); None: a quarter of the slots. 1 refills a slot at once; more
+      rows per admission mean fewer device calls (each costs a fixed dispatch, sync and cache-window copy, and
+      on a CPU a read of all the weights) for some idle slot-steps (`benchmarks.rollout --refill_rows=1,4`
+      measures both).
   """
 
   def __init__(self, slots: SlotSampler, tokenizer: Tokenizer, *, limits: EpisodeLimits, decoding: SamplingParams,

@@ -111,9 +111,10 @@ class ContinuousTest(absltest.TestCase):
                                 decoding=_GREEDY, seeds=list(range(n)), group_ids=list(range(n)))
     self.assertGreaterEqual(sum(t.info['num_turns'] >= 2 for t in want), 2, [t.info for t in want])
     self.assertGreater(len(want[-1].tokens) - want[-1].num_action_tokens, 32)  # A prompt of several pieces.
-    for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 4, 0, 2]):
-      with self.subTest(order=order):
-        got = self._continuous(order, _GREEDY)
+    # refill_rows=2: a freed slot waits for the other one (admissions of two rows); the tokens must not change.
+    for order, refill in (([0, 1, 2, 3, 4, 5], 1), ([5, 3, 1, 4, 0, 2], 1), ([5, 3, 1, 4, 0, 2], 2)):
+      with self.subTest(order=order, refill_rows=refill):
+        got = self._continuous(order, _GREEDY, refill_rows=refill)
         for i, g in zip(order, got):
           w = want[i]
           np.testing.assert_array_equal(g.tokens, w.tokens)
