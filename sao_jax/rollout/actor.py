@@ -247,8 +247,8 @@ class Actor:
                publisher: WeightPublisher, limits: EpisodeLimits, decoding: SamplingParams, seed: int,
                group_size: int = 1, episodes_per_call: int = 16, weight_switch: str = 'turn',
                step_timeout_s: float | None = None, continuous: bool = False, decode_steps: int = 16,
-               refill_rows: int | None = None, slot_sampler: SlotSampler | None = None, max_staleness: int | None = None,
-               compile_ahead: bool = False, wait_for_weights: bool = True):
+               refill_rows: int | None = None, slot_sampler: SlotSampler | None = None,
+               max_staleness: int | None = None, compile_ahead: bool = False, wait_for_weights: bool = True):
     if weight_switch not in WEIGHT_SWITCHES:
       raise ValueError(f'weight_switch={weight_switch!r} is not one of {WEIGHT_SWITCHES}.')
     self.backend = _FollowingBackend(backend, publisher, per_turn=weight_switch == 'turn', wait=wait_for_weights)
