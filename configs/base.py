@@ -96,7 +96,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # False: static calls of batch_size episodes, turn by turn.
   s.decode_steps = 16  # Continuous batching: decode steps per device call (newcomers are admitted between calls).
   s.refill_rows = 0  # Continuous: while episodes wait, a decode call ends once this many slots are free (1: a
-  # slot is refilled at once; more: fewer, larger admissions, each call having a fixed cost; 0: batch_size // 4).
+  # slot is refilled at once; more: fewer, larger admissions, each call having a fixed cost; 0: a quarter of the
+  # slots, at least 1).
   s.compile_ahead = False  # Continuous: compile every slot program before the first episode (else each at first use).
 
   # ---- Task / environment.
