@@ -11,6 +11,12 @@
   seeds' mean thick), and each panel metric against the learner step.
 
 Only finished runs (`done.json`) enter the summary; every run present enters the curves (marked `done`).
+
+    report.restore(experiment, curves_csv, runs_dir)   # the finished runs of a committed report, back as runs
+
+rebuilds the finished runs of a report's `curves.csv` that `runs_dir` lacks (a `metrics.jsonl` of the curve's
+columns and a `done.json` each), so that new seeds or arms run on a fresh machine add to the committed report
+instead of replacing it: the report written from the restored runs alone equals the one they came from.
 """
 
 from __future__ import annotations
@@ -46,6 +52,38 @@ def load_runs(exp: specs.Experiment, runs_dir: str) -> list[dict[str, Any]]:
         runs.append({'arm': arm.name, 'seed': int(name[4:]), 'rows': rows,
                      'done': os.path.exists(os.path.join(workdir, 'done.json'))})
   return runs
+
+
+def _csv_value(text: str) -> int | float:
+  return int(text) if text.lstrip('-').isdigit() else float(text)
+
+
+def restore(exp: specs.Experiment, curves_csv: str, runs_dir: str) -> list[tuple[str, int]]:
+  """Writes `runs_dir/<arm>/seed<k>/{metrics.jsonl,done.json}` for each finished run of `curves_csv` (a report
+  of `exp`) whose workdir has no metrics yet; returns the (arm, seed) restored. Unfinished runs are not restored
+  (they have no checkpoint to resume from: running them again starts them over), nor are arms `exp` lacks."""
+  columns = {'wall_s': 'time/wall_s'}  # The report's short names of the metrics' keys.
+  arms = {a.name for a in exp.arms}
+  found: dict[tuple[str, int], list[dict[str, Any]]] = {}
+  with open(curves_csv, newline='', encoding='utf-8') as f:
+    for line in csv.DictReader(f):
+      if line['done'] != '1' or line['arm'] not in arms:
+        continue
+      row = {columns.get(k, k): _csv_value(v) for k, v in line.items()
+             if k not in ('arm', 'seed', 'done') and v not in ('', None)}
+      found.setdefault((line['arm'], int(line['seed'])), []).append(row)
+  restored = []
+  for (arm, seed), rows in found.items():
+    workdir = os.path.join(runs_dir, arm, f'seed{seed}')
+    if os.path.exists(os.path.join(workdir, 'done.json')) or metrics_lib.read_metrics(workdir):
+      continue  # A run present (finished or resumable) is never overwritten.
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, metrics_lib.METRICS_FILE), 'w', encoding='utf-8') as f:
+      f.writelines(json.dumps(r) + '\n' for r in rows)
+    with open(os.path.join(workdir, 'done.json'), 'w', encoding='utf-8') as f:
+      json.dump({'experiment': exp.name, 'arm': arm, 'seed': seed, 'restored_from': curves_csv}, f, indent=1)
+    restored.append((arm, seed))
+  return restored
 
 
 def curve_rows(exp: specs.Experiment, runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,15 +1,18 @@
 r"""Runs an experiment of `experiments/specs.py` (every arm x seed not yet done) and writes its report.
 
   python -m experiments.run --experiment=algos_arith [--arms=sao,grpo] [--seeds=0,1,2] [--quick]
-      [--runs=/tmp/sao_experiments] [--results=experiments/results] [--report_only]
+      [--runs=/tmp/sao_experiments] [--results=experiments/results] [--report_only] [--norestore]
 
 Each run is the trainer's own command line in a child process (`python -m sao_jax.main ...`, printed before it
 starts), with its workdir `RUNS/<experiment>/<arm>/seed<k>`: a run that is killed (or a session that ends)
 resumes from its last checkpoint when the same command is given again, and a finished run (its `done.json`) is
-not run twice. The runs of one experiment share a persistent compilation cache (`RUNS/compile_cache`). Runs go
-one after another, never in parallel, so their wall times compare. After every run the experiment's report is
-rewritten (`experiments.report`): RESULTS/<experiment>/curves.csv, summary.md and the PNGs, so an interrupted
-experiment still has the report of what finished.
+not run twice. Before running, the finished runs of the experiment's committed report (RESULTS/<experiment>/
+curves.csv) that RUNS lacks are rebuilt from it (`report.restore`; `--norestore` starts from RUNS alone): on a
+fresh machine new seeds add to the report instead of replacing it. The runs of one experiment share a
+persistent compilation cache (`RUNS/compile_cache`). Runs go one after another, never in parallel, so their
+wall times compare. After every run the experiment's report is rewritten (`experiments.report`):
+RESULTS/<experiment>/curves.csv, summary.md and the PNGs, so an interrupted experiment still has the report of
+what finished.
 
 `--quick` runs the first two arms for one seed with `specs.QUICK` (a tiny model, 2 steps) into a scratch
 directory: the test suite runs it so the scripts cannot rot (its numbers mean nothing); it first validates every
@@ -36,6 +39,8 @@ _RUNS = flags.DEFINE_string('runs', '/tmp/sao_experiments', 'Workdirs of the run
 _RESULTS = flags.DEFINE_string('results', os.path.join(runner.ROOT, 'experiments', 'results'),
                                'Report directory (curves.csv, summary.md, PNGs per experiment).')
 _REPORT_ONLY = flags.DEFINE_bool('report_only', False, 'Only rewrite the report from the runs present.')
+_RESTORE = flags.DEFINE_bool('restore', True, "First rebuild the committed report's finished runs missing from "
+                             '--runs (so they stay in the report and are not rerun).')
 _TIMEOUT = flags.DEFINE_float('timeout_s', 0.0, 'Kill a run after this many seconds (0 = no limit).')
 
 
@@ -51,7 +56,7 @@ def main(argv: Sequence[str]) -> None:
     runs, results = os.path.join(runs, 'quick'), os.path.join(runs, 'quick', 'results')
   out = runner.run_experiment(_EXPERIMENT.value, arms=_ARMS.value, seeds=[int(s) for s in _SEEDS.value],
                               quick=_QUICK.value, runs=runs, results=results, report_only=_REPORT_ONLY.value,
-                              timeout_s=_TIMEOUT.value)
+                              timeout_s=_TIMEOUT.value, restore=_RESTORE.value)
   with open(os.path.join(out, 'summary.md'), encoding='utf-8') as f:
     print(f.read())
 

@@ -80,12 +80,21 @@ def run_one(exp: specs.Experiment, arm: specs.Arm, seed: int, *, runs: str, quic
 
 
 def run_experiment(name: str, *, arms: Sequence[str] = (), seeds: Sequence[int] = (), quick: bool = False,
-                   runs: str, results: str, report_only: bool = False, timeout_s: float = 0.0) -> str:
-  """Runs what is missing of experiment `name` and writes its report; returns the report directory."""
+                   runs: str, results: str, report_only: bool = False, timeout_s: float = 0.0,
+                   restore: bool = True) -> str:
+  """Runs what is missing of experiment `name` and writes its report; returns the report directory. With
+  `restore`, the finished runs of the report already in `results` that `runs` lacks are rebuilt first
+  (`report.restore`), so the new report keeps them (and they are not run again)."""
   exp = specs.EXPERIMENTS[name]
   chosen = [exp.arm(a) for a in arms] if arms else list(exp.arms[:2] if quick else exp.arms)
   seeds = list(seeds) or list(exp.seeds[:1] if quick else exp.seeds)
   out = os.path.join(results, name)
+  committed = os.path.join(out, 'curves.csv')
+  if restore and os.path.exists(committed):
+    restored = report.restore(exp, committed, os.path.join(runs, name))
+    if restored:
+      logging.info('Restored %d finished runs from %s: %s', len(restored), committed,
+                   ', '.join(f'{a}/seed{s}' for a, s in restored))
   if not report_only:
     for i, (arm, seed) in enumerate((a, s) for s in seeds for a in chosen):  # Seed-major: arms interleave.
       logging.info('Run %d of %d.', i + 1, len(chosen) * len(seeds))

@@ -71,6 +71,44 @@ class ReportTest(absltest.TestCase):
     self.assertEqual(lines[-1]['done'], '0')
     self.assertTrue(os.path.getsize(os.path.join(out, 'algos_arith.png')) > 1000)
 
+  def test_restore_rebuilds_the_finished_runs_of_a_report(self):
+    exp = specs.EXPERIMENTS['ablations']  # Has panel columns.
+    runs_dir, results = tempfile.mkdtemp(), tempfile.mkdtemp()
+    for seed in (0, 1):
+      _write_run(runs_dir, 'sao', seed, [
+          {'step': 0, 'eval_accuracy': 0.25 + 0.5 * seed, 'trajectories': 0, 'time/wall_s': 10.0, 'other': 1},
+          {'step': 1, 'reward_mean': 0.5, 'trajectories': 64, 'time/wall_s': 20.5,
+           'learner/critic/grad_norm': 2.0, 'learner/critic/explained_variance': -0.125},
+          {'step': 2, 'eval_accuracy': 0.75, 'trajectories': 128, 'time/wall_s': 31.0 + seed}])
+    _write_run(runs_dir, 'critic_k1', 0, [{'step': 0, 'eval_accuracy': 0.5}], done=False)
+    report.write(exp, runs_dir, os.path.join(results, exp.name))
+    committed = os.path.join(results, exp.name, 'curves.csv')
+    # A fresh runs directory: the finished runs come back, the unfinished one does not (nothing to resume).
+    fresh = tempfile.mkdtemp()
+    self.assertEqual(report.restore(exp, committed, os.path.join(fresh, exp.name)), [('sao', 0), ('sao', 1)])
+    self.assertFalse(os.path.exists(os.path.join(fresh, exp.name, 'critic_k1')))
+    self.assertTrue(os.path.exists(os.path.join(fresh, exp.name, 'sao', 'seed1', 'done.json')))
+    # The report rewritten from them alone is the committed one (curves less the unfinished run's rows).
+    rewritten = tempfile.mkdtemp()
+    report.write(exp, os.path.join(fresh, exp.name), rewritten)
+    read = lambda d, n: open(os.path.join(d, n), encoding='utf-8').read()
+    self.assertEqual(read(rewritten, 'summary.md').replace('| critic_k1 | 0 |', ''),
+                     read(os.path.join(results, exp.name), 'summary.md').replace('| critic_k1 | 0 |', ''))
+    self.assertIn('| sao | 2 | 0.500 ± 0.354', read(rewritten, 'summary.md'))
+    self.assertIn('| 2 | 128 | 32 |', read(rewritten, 'summary.md'))  # wall_s is time/wall_s again.
+    committed_lines = [x for x in read(os.path.join(results, exp.name), 'curves.csv').splitlines()
+                       if not x.startswith('critic_k1,')]
+    self.assertEqual(read(rewritten, 'curves.csv').splitlines(), committed_lines)  # 64 stays 64, 2.0 stays 2.0.
+    # Through the runner (as `experiments.run` does first): a run present is never overwritten, and nothing is
+    # restored twice.
+    again = tempfile.mkdtemp()
+    _write_run(os.path.join(again, exp.name), 'sao', 0, [{'step': 0, 'eval_accuracy': 0.0}], done=False)
+    run_lib.run_experiment(exp.name, runs=again, results=results, report_only=True)
+    self.assertEqual(metrics.read_metrics(os.path.join(again, exp.name, 'sao', 'seed0')),
+                     [{'step': 0, 'eval_accuracy': 0.0}])
+    self.assertLen(metrics.read_metrics(os.path.join(again, exp.name, 'sao', 'seed1')), 3)
+    self.assertEqual(report.restore(exp, committed, os.path.join(again, exp.name)), [])
+
   def test_drift_recovery_steps(self):
     phase = [0, 0, 0, 1, 1, 1, 1, 2, 2]
     acc = {0: 0.2, 2: 0.6, 4: 0.3, 5: 0.5, 6: 0.7, 8: 0.1}
