@@ -98,6 +98,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.refill_rows = 0  # Continuous: while episodes wait, a decode call ends once this many slots are free (1: a
   # slot is refilled at once; more: fewer, larger admissions, each call having a fixed cost; 0: a quarter of the
   # slots, at least 1).
+  s.prefix_cache = True  # Continuous: new episodes start from the cache of the prompts' shared head (e.g. the chat
+  # template's system prompt; learned from the prompts, at most the largest admission chunk): only the rest is
+  # prefilled. Same tokens either way.
   s.compile_ahead = False  # Continuous: compile every slot program before the first episode (else each at first use).
 
   # ---- Task / environment.

@@ -184,6 +184,7 @@ FIELDS: dict[str, Check] = {
     'sampler.decode_steps': _int(ge=1),
     'sampler.refill_rows': _int(ge=0),
     'sampler.compile_ahead': Check(bool),
+    'sampler.prefix_cache': Check(bool),
     # ---- task (registry.validate_task_config: name, max_turns, eval_size, kwargs by the task's options)
     'task.name': Check(str),
     'task.max_turns': Check(int),

@@ -20,7 +20,9 @@ and steps envs in a thread pool. Figures: completed episodes/s and generated (ac
 printed alongside, and the process CPU seconds of each (on a machine loaded by others the CPU ratio is the steadier
 figure). The continuous runner runs once per `--refill_rows` value (free slots a decode chunk waits for while
 episodes wait: 1 refills a slot at once), interleaved with the static runs; a line per run says its decode steps,
-chunks, admissions and the wall and CPU seconds in each kind of device call.
+chunks, admissions and the wall and CPU seconds in each kind of device call. The continuous runner starts new
+episodes from the cache of the prompts' shared head (`--prefix_cache`, on by default: the chat template's system
+prompt); the static runner prefills whole prompts (one call per batch).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ _MIN_LEN = flags.DEFINE_integer('min_len', 16, 'Shortest episode (tokens).')
 _MAX_LEN = flags.DEFINE_integer('max_len', 512, 'Longest episode (tokens).')
 _TURNS = flags.DEFINE_integer('turns', 3, 'Turns of a multi-turn episode.')
 _TOOL_MS = flags.DEFINE_float('tool_ms', 80.0, 'Median tool latency (ms), clipped to [20, 500].')
+_PREFIX_CACHE = flags.DEFINE_bool('prefix_cache', True, 'Continuous: new episodes start from the cache of the '
+                                   "prompts' shared head (the chat template's system prompt).")
 _DECODE_STEPS = flags.DEFINE_integer('decode_steps', 32, 'Decode steps per continuous chunk (at most).')
 _REFILL_ROWS = flags.DEFINE_list('refill_rows', ['1', '4'], 'Continuous runs, one per value: while episodes wait, '
                                  'a decode chunk ends once this many slots are free (1: a slot is refilled at once).')
@@ -133,7 +137,7 @@ def main(argv):
   backend = rollout.SamplerBackend(model, stop_ids=stop_ids, pad_id=tok.pad_id, max_total_len=max_seq_len,
                                    min_rows=slots_n)
   slot_sampler = SlotSampler(backend.sampler, num_slots=slots_n, max_seq_len=max_seq_len, stop_ids=stop_ids,
-                             pad_id=tok.pad_id, decode_steps=_DECODE_STEPS.value)
+                             pad_id=tok.pad_id, decode_steps=_DECODE_STEPS.value, prefix_cache=_PREFIX_CACHE.value)
   t0 = time.perf_counter()
   slot_sampler.warmup(decoding)
   print(f'# model {name}; {n} episodes, {slots_n} slots; continuous warm-up (compile) {time.perf_counter() - t0:.1f}s, '
@@ -215,7 +219,8 @@ def main(argv):
       print(f'| {kind} | {label} | {n / wall:.2f} | {toks / wall:.0f} | {wall:.2f} | {base_wall / wall:.2f}x '
             f'| {cpu:.2f} | {base_cpu / cpu:.2f}x | {load} |')
   print(f'# continuous programs after the runs: {slot_sampler.num_compiled()} (no recompiles when unchanged); '
-        f'static sampler programs: {backend.sampler.num_compiled()}')
+        f'static sampler programs: {backend.sampler.num_compiled()}; shared prompt prefix: '
+        f'{len(slot_sampler.prefix)} tokens (--prefix_cache={_PREFIX_CACHE.value})')
 
 
 if __name__ == '__main__':

@@ -29,6 +29,15 @@ uses the same compiled programs: each compiles once per process (and, with a per
 loads from disk in the next one). A program compiles at its first use (`warmup` compiles them all up front);
 `num_compiled` counts the programs an instance has used, `compiled_programs` those of the process.
 
+**Shared prefix.** New prompts usually begin with the same tokens (a chat template's system prompt: 27 of a
+38-token SmolLM2 prompt). With `prefix_cache`, the sampler learns that head from the prompts it admits (the
+longest common prefix of the distinct new prompts seen, at least `MIN_PREFIX` and at most the largest chunk
+bucket of tokens; it only shrinks, and is dropped for good when prompts share less than `MIN_PREFIX`), computes
+its cache once per weights snapshot (`_prefix_impl`, one program), and an admission of a new prompt that starts
+with it copies that cache into slots [0, C) of its row and writes only the rest (an 11-token chunk instead of
+38, padded to 16 instead of 64). The head's keys and values are those a whole-prompt admission writes (causal
+attention: they depend on the head only), so the tokens are the same either way (tests compare them).
+
 Between chunks the host admits newcomers into free slots: a turn that ends frees nothing but its decode
 row (the slot keeps the episode's history until the episode ends), so the next turn of another episode or a
 new prompt starts without waiting for the rest of the batch.
@@ -47,6 +56,7 @@ not depend on the slot it runs in or on its neighbours; `logprobs` are temperatu
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Protocol, Sequence
 
 import jax
@@ -60,16 +70,25 @@ from sao_jax.models.sampler import StaticSettings, WeightsSnapshot, decode_windo
 from sao_jax.models.sampling import SamplingParams
 
 Array = jax.Array
+MIN_PREFIX = 8  # Tokens: a shorter shared prefix is not worth a cache of its own.
 
 
 def _admit_impl(st: StaticSettings, weights: DecodeWeights, cache: DecodeCache, rows: Array, chunk: Array, valid: Array,
-                lengths: Array, reset: Array, seeds: Array):
+                lengths: Array, reset: Array, seeds: Array, prefix: DecodeCache, from_prefix: Array):
   """Writes right-padded chunks [P, T] (`lengths` real tokens each) into cache rows `rows` [P] (rows >= B are
-  padding: nothing is written back) and samples each row's next token. `reset` rows start empty."""
+  padding: nothing is written back) and samples each row's next token. `reset` rows start empty, or, where
+  `from_prefix`, holding the shared prefix (`prefix`: one row of C slots, `_prefix_impl`'s) in slots [0, C)."""
   take = lambda x: jnp.take(x, rows, axis=0, mode='clip')
-  sub = DecodeCache(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)),
-                    valid=jnp.where(reset[:, None], False, take(cache.valid)),
-                    index=jnp.where(reset, 0, take(cache.index)), positions=jnp.where(reset, 0, take(cache.positions)))
+  c = prefix.max_len
+  seeded = lambda x, px, axis: jax.lax.dynamic_update_slice_in_dim(  # Slots [0, C) from the prefix's row.
+      x, jnp.where(from_prefix.reshape((-1,) + (1,) * (x.ndim - 1)), px, jax.lax.slice_in_dim(x, 0, c, axis=axis)),
+      0, axis=axis)
+  valid_rows = jnp.where(reset[:, None], False, take(cache.valid))
+  sub = DecodeCache(k=tuple(seeded(take(x), px, 3) for x, px in zip(cache.k, prefix.k)),
+                    v=tuple(seeded(take(x), px, 2) for x, px in zip(cache.v, prefix.v)),
+                    valid=seeded(valid_rows, prefix.valid, 1),
+                    index=jnp.where(reset, jnp.where(from_prefix, prefix.index[0], 0), take(cache.index)),
+                    positions=jnp.where(reset, jnp.where(from_prefix, prefix.positions[0], 0), take(cache.positions)))
   hidden, new = forward(st.cfg, weights, sub, chunk, valid, window=st.window, all_positions=True)  # [P, T, D]
   last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]  # [P, D]
   # The padding after the real tokens is overwritten by the row's next write.
@@ -80,6 +99,14 @@ def _admit_impl(st: StaticSettings, weights: DecodeWeights, cache: DecodeCache, 
                       valid=put(cache.valid, new.valid), index=put(cache.index, new.index),
                       positions=put(cache.positions, new.positions))
   return cache, tok, lp, slp
+
+
+def _prefix_impl(cfg: ModelConfig, weights: DecodeWeights, tokens: Array, valid: Array) -> DecodeCache:
+  """The shared prefix's cache: one row of C slots holding `tokens` [1, C] (right-padded; `valid` marks the
+  real ones), written from slot 0 at positions 0, 1, ... (what an admission of a whole prompt writes there)."""
+  cache = init_cache(cfg, 1, tokens.shape[1], per_row_index=True)
+  _, cache = forward(cfg, weights, cache, tokens, valid)
+  return cache.replace(index=jnp.sum(valid, axis=1, dtype=jnp.int32))
 
 
 def _decode_impl(st: StaticSettings, num_steps: int, weights: DecodeWeights, cache: DecodeCache, rows: Array,
@@ -133,13 +160,14 @@ def _decode_impl(st: StaticSettings, num_steps: int, weights: DecodeWeights, cac
 # The programs, shared by every SlotSampler of the process (module docstring): one compiled program per static
 # settings (model, sampling, window; decode steps) and argument shapes (slot count, row and chunk buckets).
 _admit = jax.jit(_admit_impl, static_argnums=(0,), donate_argnums=(2,))
+_prefix = jax.jit(_prefix_impl, static_argnums=(0,))
 _decode = jax.jit(_decode_impl, static_argnums=(0, 1), donate_argnums=(3,))
 _init_cache = jax.jit(init_cache, static_argnums=(0, 1, 2), static_argnames=('per_row_index',))
 
 
 def compiled_programs() -> dict[str, int]:
-  """Programs compiled so far in this process by all SlotSamplers together (admit, decode)."""
-  return {'admit': _admit._cache_size(), 'decode': _decode._cache_size()}
+  """Programs compiled so far in this process by all SlotSamplers together (admit, decode, prefix)."""
+  return {'admit': _admit._cache_size(), 'decode': _decode._cache_size(), 'prefix': _prefix._cache_size()}
 
 
 class SnapshotSource(Protocol):
@@ -208,11 +236,13 @@ class SlotSampler:
     num_windows: attention windows of the decode programs (the last one is the whole cache).
     num_admit_windows: attention windows of the admit programs (multiples of 64, the last one the whole cache):
       an admission reads the smallest that holds its rows' histories and chunk.
+    prefix_cache: reuse the shared prefix of new prompts (module docstring): a new episode's slot starts from
+      its cache instead of prefilling it.
   """
 
   def __init__(self, source: SnapshotSource, *, num_slots: int, max_seq_len: int, stop_ids: Sequence[int],
                pad_id: int, chunk_buckets: Sequence[int] = (16, 32, 64), decode_steps: int = 16,
-               num_windows: int = 8, num_admit_windows: int = 3):
+               num_windows: int = 8, num_admit_windows: int = 3, prefix_cache: bool = True):
     if num_slots < 1 or decode_steps < 1 or max_seq_len < 2:
       raise ValueError(f'SlotSampler: num_slots={num_slots}, decode_steps={decode_steps} and max_seq_len='
                        f'{max_seq_len} must be >= 1, 1 and 2.')
@@ -236,6 +266,15 @@ class SlotSampler:
     # Admission rows: powers of 4 up to the slot count (few programs; a partly filled admission is cheap).
     self.row_buckets = tuple(sorted({min(4 ** k, self.num_slots) for k in range(16) if 4 ** (k - 1) < self.num_slots}))
     self._cache = _init_cache(self.cfg, self.num_slots, self.cache_len, per_row_index=True)
+    # The shared prefix (module docstring): its tokens (at most the largest chunk bucket, so one call computes
+    # it), and its cache for one weights version, recomputed when the version or the tokens change.
+    self.prefix_cache = bool(prefix_cache)
+    self.prefix_slots = self.chunk_buckets[-1]
+    self.prefix: tuple[int, ...] = ()
+    self._prefix_state = 'unknown' if self.prefix_cache else 'off'  # 'unknown' until two distinct prompts.
+    self._first_prompt: tuple[int, ...] | None = None
+    self._prefix_kv: tuple[tuple[weakref.ref, tuple[int, ...]], DecodeCache] | None = None
+    self._no_prefix = _init_cache(self.cfg, 1, self.prefix_slots, per_row_index=True)
     # (kind, static settings, row bucket, chunk bucket or decode steps) of every program this instance has run.
     self._used: set[tuple] = set()
     b = self.num_slots
@@ -254,7 +293,7 @@ class SlotSampler:
     """Distinct programs (static settings and shapes) this instance has run, per kind: what it compiled, or
     found compiled by another instance of the process (`compiled_programs` counts the process's)."""
     kinds = [key[0] for key in self._used]
-    return {'admit': kinds.count('admit'), 'decode': kinds.count('decode')}
+    return {'admit': kinds.count('admit'), 'decode': kinds.count('decode'), 'prefix': kinds.count('prefix')}
 
   @property
   def version(self) -> int:
@@ -274,6 +313,40 @@ class SlotSampler:
     self._used.add(('admit', st, rows.shape[0], chunk.shape[1]))
     return _admit(st, weights, self._cache, rows, chunk, *args)
 
+  def _run_prefix(self, weights: DecodeWeights, tokens: Sequence[int]) -> DecodeCache:
+    self._used.add(('prefix', self.cfg, self.prefix_slots))
+    chunk = np.full((1, self.prefix_slots), self.pad_id, np.int32)
+    chunk[0, :len(tokens)] = tokens
+    return _prefix(self.cfg, weights, chunk, np.arange(self.prefix_slots)[None] < len(tokens))
+
+  # ---- The shared prefix.
+
+  def _learn_prefix(self, prompt: tuple[int, ...]) -> None:
+    """Keeps `prefix` the longest common prefix of the distinct new prompts seen so far (at most
+    `prefix_slots` tokens, shorter than each prompt): set by the first two distinct prompts, then it only
+    shrinks; under `MIN_PREFIX` tokens it is dropped for good (prompts without a common head)."""
+    if self._prefix_state == 'off':
+      return
+    if self._first_prompt is None or (self._prefix_state == 'unknown' and prompt == self._first_prompt):
+      self._first_prompt = prompt  # The first prompt, or the same again (a group): nothing to compare yet.
+      return
+    ref = self.prefix if self._prefix_state == 'on' else self._first_prompt
+    if self._prefix_state == 'on' and len(prompt) > len(ref) and prompt[:len(ref)] == ref:
+      return
+    n, limit = 0, min(len(ref), len(prompt) - 1, self.prefix_slots)
+    while n < limit and ref[n] == prompt[n]:
+      n += 1
+    self.prefix = ref[:n] if n >= MIN_PREFIX else ()
+    self._prefix_state = 'on' if self.prefix else 'off'
+
+  def _prefix_for(self, snapshot: WeightsSnapshot) -> DecodeCache:
+    """The shared prefix's cache under `snapshot`'s weights (computed once per snapshot and prefix)."""
+    cached = self._prefix_kv
+    if cached is None or cached[0][0]() is not snapshot or cached[0][1] != self.prefix:
+      self._prefix_kv = cached = ((weakref.ref(snapshot), self.prefix),
+                                  self._run_prefix(snapshot.weights, self.prefix))
+    return cached[1]
+
   def _run_decode(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, *args):
     self._used.add(('decode', st, rows.shape[0], self.decode_steps))
     return _decode(st, self.decode_steps, weights, self._cache, rows, *args)
@@ -281,8 +354,11 @@ class SlotSampler:
   # ---- Warm-up.
 
   def warmup(self, params: SamplingParams) -> None:
-    """Compiles every admit and decode program (padding rows only: the slots are left as they were)."""
+    """Compiles every admit and decode program, and the prefix's (padding rows only: the slots are left as
+    they were)."""
     snapshot = self.source.snapshot
+    if self.prefix_cache:
+      self._run_prefix(snapshot.weights, ())
     for p in self.row_buckets:
       for t in self.chunk_buckets:
         for w in [w for w in self.admit_windows if t <= w]:
@@ -290,7 +366,8 @@ class SlotSampler:
           zeros = np.zeros((p,), np.int32)
           self._cache, *_ = self._run_admit(self._static(params, w), snapshot.weights, rows,
                                             np.zeros((p, t), np.int32), np.zeros((p, t), bool), zeros,
-                                            np.ones((p,), bool), zeros.astype(np.uint32))
+                                            np.ones((p,), bool), zeros.astype(np.uint32), self._no_prefix,
+                                            np.zeros((p,), bool))
     for r in self.row_buckets:
       for w in self.windows:
         zeros = np.zeros((r,), np.int32)
@@ -323,11 +400,19 @@ class SlotSampler:
         raise ValueError(f'SlotSampler.admit: slot {a.slot} would hold {fill + len(chunk)} tokens > max_seq_len='
                          f'{self.max_seq_len}.')
       chunks.append(chunk)
+    # A new prompt that starts with the shared prefix starts from its cache: only the rest is written.
+    for a, c in zip(admissions, chunks):
+      if a.new:
+        self._learn_prefix(tuple(c))
+    n_prefix = len(self.prefix)
+    starts = [n_prefix if a.new and n_prefix and len(c) > n_prefix and tuple(c[:n_prefix]) == self.prefix else 0
+              for a, c in zip(admissions, chunks)]
+    prefix = self._prefix_for(snapshot) if any(starts) else self._no_prefix
     piece = self.chunk_buckets[-1]
-    pieces = [[c[i:i + piece] for i in range(0, len(c), piece)] for c in chunks]
+    pieces = [[c[i:i + piece] for i in range(start, len(c), piece)] for c, start in zip(chunks, starts)]
     # One device call per (piece round, chunk bucket): rows are padded to their own bucket only, and the call
     # attends over the smallest admit window that holds its rows' histories plus the chunk (a row's cache before
-    # piece r holds its old fill, 0 for a new episode, plus its earlier pieces).
+    # piece r holds its old fill, 0 for a new episode or the prefix's length, plus its earlier pieces).
     calls = []
     for r in range(max(len(p) for p in pieces)):
       by_bucket: dict[int, list[int]] = {}
@@ -335,7 +420,8 @@ class SlotSampler:
         if r < len(p):
           by_bucket.setdefault(self.chunk_bucket(len(p[r])), []).append(i)
       for t, part in sorted(by_bucket.items()):
-        before = max((0 if admissions[i].new else int(self.fill[admissions[i].slot])) + r * piece for i in part)
+        before = max((starts[i] if admissions[i].new else int(self.fill[admissions[i].slot])) + r * piece
+                     for i in part)
         window = next(w for w in self.admit_windows if before + t <= w)
         p_rows = next(x for x in self.row_buckets if len(part) <= x)
         rows = np.full((p_rows,), self.num_slots, np.int32)
@@ -343,14 +429,16 @@ class SlotSampler:
         valid = np.zeros((p_rows, t), bool)
         lengths = np.zeros((p_rows,), np.int32)
         reset = np.zeros((p_rows,), bool)
+        from_prefix = np.zeros((p_rows,), bool)
         seeds = np.zeros((p_rows,), np.uint32)
         for j, i in enumerate(part):
           a, c = admissions[i], pieces[i][r]
           rows[j], lengths[j], reset[j] = a.slot, len(c), a.new and r == 0
+          from_prefix[j] = reset[j] and starts[i] > 0
           chunk[j, :len(c)], valid[j, :len(c)] = c, True
           seeds[j] = (a.seed % (1 << 32)) if a.new else self.seeds[a.slot]
         self._cache, tok, lp, slp = self._run_admit(self._static(params, window), snapshot.weights, rows, chunk,
-                                                    valid, lengths, reset, seeds)
+                                                    valid, lengths, reset, seeds, prefix, from_prefix)
         calls.append((r, part, (tok, lp, slp)))
     first = {}
     for (r, part, _), (tok, lp, slp) in zip(calls, jax.device_get([c[2] for c in calls])):

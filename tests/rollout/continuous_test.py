@@ -81,11 +81,11 @@ class ContinuousTest(absltest.TestCase):
 
   def test_compiled_programs_are_fixed_by_the_slot_count(self):
     # Per sampling setting: row buckets {1, 2} x chunk buckets {16} x admit windows {128, 192} admit programs,
-    # row buckets {1, 2} x windows {96, 192} decode programs.
+    # row buckets {1, 2} x windows {96, 192} decode programs; one program computes the shared prefix.
     self.assertEqual(self.slots.row_buckets, (1, 2))
     self.assertEqual(self.slots.windows, (96, 192))
     self.assertEqual(self.slots.admit_windows, (128, 192))
-    self.assertEqual(self.compiled, {'admit': 2 * 2 * 1 * 2, 'decode': 2 * 2 * 2})
+    self.assertEqual(self.compiled, {'admit': 2 * 2 * 1 * 2, 'decode': 2 * 2 * 2, 'prefix': 1})
 
   def test_samplers_of_a_process_share_their_programs(self):
     """A second SlotSampler of the same model and shapes (another actor, another trainer run) compiles nothing:
@@ -94,15 +94,15 @@ class ContinuousTest(absltest.TestCase):
     twin = SlotSampler(self.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=self.backend.stop_ids,
                        pad_id=self.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2,
                        num_admit_windows=2)
-    self.assertEqual(twin.num_compiled(), {'admit': 0, 'decode': 0})
+    self.assertEqual(twin.num_compiled(), {'admit': 0, 'decode': 0, 'prefix': 0})
     twin.warmup(_GREEDY)
-    self.assertEqual(twin.num_compiled(), {'admit': 4, 'decode': 4})
+    self.assertEqual(twin.num_compiled(), {'admit': 4, 'decode': 4, 'prefix': 1})
     self.assertEqual(continuous_lib.compiled_programs(), before)
     other = SlotSampler(self.backend.sampler, num_slots=3, max_seq_len=128, stop_ids=self.backend.stop_ids,
                         pad_id=self.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2,
                         num_admit_windows=2)
     other.admit([Admission(0, [5, 6, 7], new=True, budget=2)], _GREEDY)
-    self.assertEqual(continuous_lib.compiled_programs(), {'admit': before['admit'] + 1, 'decode': before['decode']})
+    self.assertEqual(continuous_lib.compiled_programs(), {**before, 'admit': before['admit'] + 1})
 
   def test_greedy_episodes_equal_the_static_sampler_in_any_arrival_order(self):
     n = len(self.examples)
@@ -189,6 +189,53 @@ class ContinuousTest(absltest.TestCase):
       log_pi = logits[s, pos - 1] - np.log(np.exp(logits[s, pos - 1]).sum(-1, keepdims=True))
       np.testing.assert_allclose(lps[s], log_pi[np.arange(len(pos)), np.asarray(seqs[s])[pos]], atol=2e-4)
     self.assertEqual(slots.num_compiled(), compiled)
+
+  def test_new_prompts_start_from_the_shared_prefix_cache(self):
+    """Prompts with a common head (a chat template's system prompt): the slot of a new episode starts from the
+    head's cache and only the rest is written; the tokens and log-probs are the plain forward's, also after a
+    weight swap (the head's cache is recomputed) and after a prompt that shares less (the prefix shrinks), and
+    they equal those of a sampler without the prefix cache."""
+    head = [3 + (7 * i) % 40 for i in range(12)]
+    prompts = [head + [50, 51], head + list(range(60, 70)), head + [70], head[:9] + [80, 81], head + [90, 91, 92]]
+    other = helpers.small_model(self.tok.vocab_size, seed=9)
+    self.addCleanup(self.backend.update_weights, self.model, version=4)
+
+    def play(prefix_cache):
+      self.backend.update_weights(self.model, version=4)
+      slots = SlotSampler(self.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=(), pad_id=self.tok.pad_id,
+                          chunk_buckets=(16,), decode_steps=4, num_windows=2, num_admit_windows=2,
+                          prefix_cache=prefix_cache)
+      slots.warmup(_GREEDY)
+      compiled = slots.num_compiled()
+      seqs, lps, models, prefixes = [], [], [], []
+      for first in range(0, len(prompts), 2):
+        if first == 4:
+          self.backend.update_weights(other, version=5)  # The last prompt runs on other weights, same prefix.
+        batch = prompts[first:first + 2]
+        for slot in range(2):
+          slots.release(slot)
+        got = slots.admit([Admission(j, p, new=True, budget=6, seed=j) for j, p in enumerate(batch)], _GREEDY)
+        prefixes.append(slots.prefix)
+        while slots.active.any():
+          got += slots.decode(_GREEDY)
+        for j, p in enumerate(batch):
+          seqs.append(p + [x for r in got if r.slot == j for x in r.ids])
+          lps.append([x for r in got if r.slot == j for x in r.logprobs])
+          models.append(self.model if first < 4 else other)
+      self.assertEqual(slots.num_compiled(), compiled)
+      return seqs, lps, models, prefixes
+
+    seqs, lps, models, prefixes = play(True)
+    self.assertEqual(prefixes, [tuple(head), tuple(head[:9]), tuple(head[:9])])
+    for seq, lp, model, prompt in zip(seqs, lps, models, prompts):
+      logits = np.asarray(_logits(model, _padded([types.SimpleNamespace(tokens=seq)])))[0]
+      pos = np.arange(len(prompt), len(seq))
+      np.testing.assert_array_equal(np.asarray(seq)[pos], np.argmax(logits[pos - 1], axis=-1))
+      log_pi = logits[pos - 1] - np.log(np.exp(logits[pos - 1]).sum(-1, keepdims=True))
+      np.testing.assert_allclose(lp, log_pi[np.arange(len(pos)), np.asarray(seq)[pos]], atol=2e-4)
+    plain_seqs, _, _, plain_prefixes = play(False)
+    self.assertEqual(plain_prefixes, [(), (), ()])
+    self.assertEqual(plain_seqs, seqs)
 
   def test_a_weight_swap_mid_run_is_recorded_per_token(self):
     other = helpers.small_model(self.tok.vocab_size, seed=9)
