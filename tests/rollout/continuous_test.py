@@ -127,6 +127,28 @@ class ContinuousTest(absltest.TestCase):
     self.assertEqual(self.slots.num_compiled(), self.compiled)  # Slots refilled without a recompile.
     self.assertEqual(continuous_lib.compiled_programs(), compiled)
 
+  def test_episodes_with_a_shared_prompt_head_equal_the_static_sampler(self):
+    """Prompts that begin alike (as a chat template's system prompt makes them): the runner's slots start new
+    episodes from the head's cache, and the greedy episodes are still the static sampler's."""
+    examples = [base.Example(uid=str(i), prompt='Reply briefly. ' + e.prompt, answer='0')
+                for i, e in enumerate(self.examples[:4])]
+    task = helpers.EchoTask(examples, 'message', self.stop_texts, 3)
+    envs = lambda: [task.make_env(e) for e in examples]
+    slots = SlotSampler(self.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=self.backend.stop_ids,
+                        pad_id=self.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2,
+                        num_admit_windows=2)  # The class's shapes: its programs, nothing compiles.
+    want = rollout.run_episodes(self.backend, self.tok, envs(), limits=self.limits, decoding=_GREEDY,
+                                seeds=list(range(4)), group_ids=list(range(4)))
+    got = run_continuous(slots, self.tok, envs(), limits=self.limits, decoding=_GREEDY, seeds=list(range(4)),
+                         group_ids=list(range(4)))
+    self.assertGreaterEqual(len(slots.prefix), len('Reply briefly. '))
+    self.assertGreaterEqual(sum(t.info['num_turns'] >= 2 for t in want), 1)
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g.tokens, w.tokens)
+      np.testing.assert_array_equal(g.action_mask, w.action_mask)
+      np.testing.assert_allclose(g.policy_logprobs, w.policy_logprobs, atol=1e-5)
+    self.assertEqual(slots.num_compiled()['prefix'], 1)
+
   def test_logprobs_are_those_of_the_plain_forward(self):
     """Sampling at temperature 0.7: behaviour = log q (tempered forward), policy = log pi (forward at T=1)."""
     got = self._continuous(range(len(self.examples)), _SAMPLED)
