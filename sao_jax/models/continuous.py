@@ -30,13 +30,14 @@ loads from disk in the next one). A program compiles at its first use (`warmup` 
 `num_compiled` counts the programs an instance has used, `compiled_programs` those of the process.
 
 **Shared prefix.** New prompts usually begin with the same tokens (a chat template's system prompt and the user
-turn's header: 24 of a 38-token SmolLM2 prompt). With `prefix_cache`, the sampler learns that head from the prompts it admits (the
-longest common prefix of the distinct new prompts seen, at least `MIN_PREFIX` and at most the largest chunk
-bucket of tokens; it only shrinks, and is dropped for good when prompts share less than `MIN_PREFIX`), computes
-its cache once per weights snapshot (`_prefix_impl`, one program), and an admission of a new prompt that starts
-with it copies that cache into slots [0, C) of its row and writes only the rest (a 14-token chunk instead of
-38, padded to 16 instead of 64). The head's keys and values are those a whole-prompt admission writes (causal
-attention: they depend on the head only), so the tokens are the same either way (tests compare them).
+turn's header: 24 of a 38-token SmolLM2 prompt). With `prefix_cache`, the sampler learns that head from the
+prompts it admits (the longest common prefix of the distinct new prompts seen, at least `MIN_PREFIX` and at most
+the largest chunk bucket of tokens; it only shrinks, and is dropped for good when prompts share less than
+`MIN_PREFIX`), computes its cache once per weights snapshot (`_prefix_impl`, one program), and an admission of a
+new prompt that starts with it copies that cache into slots [0, C) of its row and writes only the rest (a
+14-token chunk instead of 38, padded to 16 instead of 64). The head's keys and values are those a whole-prompt
+admission writes (causal attention: they depend on the head only), so the tokens are the same either way (tests
+compare them).
 
 Between chunks the host admits newcomers into free slots: a turn that ends frees nothing but its decode
 row (the slot keeps the episode's history until the episode ends), so the next turn of another episode or a
