@@ -33,6 +33,7 @@ import numpy as np
 from experiments import specs
 from sao_jax import metrics as metrics_lib
 
+DONE_FILE = 'done.json'  # In a run's workdir once it finished (`runner.run_one`, or `restore`).
 BASE_COLUMNS = ('arm', 'seed', 'done', 'step', 'trajectories', 'wall_s', 'eval_accuracy', 'reward_mean')
 
 
@@ -50,7 +51,7 @@ def load_runs(exp: specs.Experiment, runs_dir: str) -> list[dict[str, Any]]:
       rows = metrics_lib.read_metrics(workdir)
       if rows:
         runs.append({'arm': arm.name, 'seed': int(name[4:]), 'rows': rows,
-                     'done': os.path.exists(os.path.join(workdir, 'done.json'))})
+                     'done': os.path.exists(os.path.join(workdir, DONE_FILE))})
   return runs
 
 
@@ -75,12 +76,12 @@ def restore(exp: specs.Experiment, curves_csv: str, runs_dir: str) -> list[tuple
   restored = []
   for (arm, seed), rows in found.items():
     workdir = os.path.join(runs_dir, arm, f'seed{seed}')
-    if os.path.exists(os.path.join(workdir, 'done.json')) or metrics_lib.read_metrics(workdir):
+    if os.path.exists(os.path.join(workdir, DONE_FILE)) or metrics_lib.read_metrics(workdir):
       continue  # A run present (finished or resumable) is never overwritten.
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, metrics_lib.METRICS_FILE), 'w', encoding='utf-8') as f:
       f.writelines(json.dumps(r) + '\n' for r in rows)
-    with open(os.path.join(workdir, 'done.json'), 'w', encoding='utf-8') as f:
+    with open(os.path.join(workdir, DONE_FILE), 'w', encoding='utf-8') as f:
       json.dump({'experiment': exp.name, 'arm': arm, 'seed': seed, 'restored_from': curves_csv}, f, indent=1)
     restored.append((arm, seed))
   return restored

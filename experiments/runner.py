@@ -54,7 +54,7 @@ def run_one(exp: specs.Experiment, arm: specs.Arm, seed: int, *, runs: str, quic
             timeout_s: float = 0.0) -> dict[str, Any]:
   """Runs (or resumes) one arm x seed; returns its done record (also written to `done.json`)."""
   workdir = os.path.join(runs, exp.name, arm.name, f'seed{seed}')
-  done_path = os.path.join(workdir, 'done.json')
+  done_path = os.path.join(workdir, report.DONE_FILE)
   if os.path.exists(done_path):
     with open(done_path, encoding='utf-8') as f:
       return json.load(f)
