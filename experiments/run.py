@@ -50,7 +50,9 @@ def main(argv: Sequence[str]) -> None:
   if _EXPERIMENT.value not in specs.EXPERIMENTS:
     raise app.UsageError(f'--experiment={_EXPERIMENT.value!r}: one of {sorted(specs.EXPERIMENTS)}')
   # Quick (the suite): every arm of every experiment must validate; a real run checks its own experiment.
-  runner.validate(sorted(specs.EXPERIMENTS) if _QUICK.value else [_EXPERIMENT.value], quick=_QUICK.value)
+  names = sorted(specs.EXPERIMENTS) if _QUICK.value else [_EXPERIMENT.value]
+  runner.split_cpu(max(specs.EXPERIMENTS[n].cpu_devices for n in names))  # Their meshes need the devices.
+  runner.validate(names, quick=_QUICK.value)
   runs, results = _RUNS.value, _RESULTS.value
   if _QUICK.value:  # Never mixes with real runs or results.
     runs, results = os.path.join(runs, 'quick'), os.path.join(runs, 'quick', 'results')

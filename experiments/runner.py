@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from absl import logging
+import jax
 
 from experiments import report
 from experiments import specs
@@ -37,6 +39,15 @@ def load_config(exp: specs.Experiment, overrides: Mapping[str, Any]):
   path, _, arg = exp.config.partition(':')
   module = importlib.import_module(os.path.splitext(path)[0].replace('/', '.'))
   return config_lib.override(module.get_config(arg or None), overrides)
+
+
+def split_cpu(n: int) -> None:
+  """Splits this process's CPU into `n` XLA devices (`Experiment.cpu_devices`; before jax's backend starts), so
+  that validating an arm builds its mesh on the devices its run will have. Nothing when `n` is 0 or the CPU is
+  already split at least as far (XLA_FLAGS --xla_force_host_platform_device_count, as the test suite does)."""
+  forced = re.search(r'--xla_force_host_platform_device_count=(\d+)', os.environ.get('XLA_FLAGS', ''))
+  if n > (int(forced.group(1)) if forced else 1):
+    jax.config.update('jax_num_cpu_devices', n)
 
 
 def validate(names: Sequence[str], *, quick: bool = False) -> None:
@@ -63,6 +74,8 @@ def run_one(exp: specs.Experiment, arm: specs.Arm, seed: int, *, runs: str, quic
   logging.info('%s / %s / seed %d: %s', exp.name, arm.name, seed, ' '.join(cmd))
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(runs, 'compile_cache'),
              PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get('PYTHONPATH', '')) if p))
+  if exp.cpu_devices and not quick:
+    env['JAX_NUM_CPU_DEVICES'] = str(exp.cpu_devices)
   t0 = time.perf_counter()
   with open(os.path.join(workdir, 'log.txt'), 'ab') as log:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=False,

@@ -34,6 +34,9 @@ class Experiment:
   overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   # Metrics drawn against the learner step besides accuracy (stability: entropy, clipping, grad norms, ...).
   panels: tuple[str, ...] = ()
+  # On a CPU host, split it into this many XLA devices for every run (JAX_NUM_CPU_DEVICES; 0 = one device), so
+  # that `mesh.actor_devices` can give the actors a device of their own. Other platforms ignore it.
+  cpu_devices: int = 0
 
   def arm(self, name: str) -> Arm:
     for a in self.arms:
@@ -81,6 +84,15 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
                'configs/calculator.py', _algos({})),
     Experiment('ablations', "SAO's recipe, one switch at a time (multi-turn calculator)", 'configs/calculator.py',
                ABLATIONS, panels=('learner/critic/grad_norm', 'learner/critic/explained_variance')),
+    # The staleness bound only binds when the actors run ahead of the learner: on one shared device they run
+    # between its updates and the batch is at most one version old (the `ablations` arms staleness_2 / 8 are
+    # sao's recipe again). Here the actors have a device of their own (the loop benchmark's setting).
+    Experiment('staleness', "SAO's staleness bound with actors on a device of their own (calculator)",
+               'configs/calculator.py',
+               (Arm('sao'), Arm('staleness_0', {'trainer.max_staleness': 0}),
+                Arm('staleness_2', {'trainer.max_staleness': 2}), Arm('staleness_8', {'trainer.max_staleness': 8})),
+               seeds=(0,), overrides={'mesh.actor_devices': 1}, cpu_devices=2,
+               panels=('staleness/mean', 'learner/critic/explained_variance', 'reward_mean')),
     Experiment('stability', 'SAO for 1000 learner steps, async GRPO beside it (calculator)',
                'configs/calculator.py',
                (Arm('sao'), Arm('grpo', {'algo.name': 'grpo', 'algo.group_size': G})),
