@@ -2,7 +2,8 @@ r"""Rollout throughput on long-tailed episodes: static batches (`run_episodes`) 
 (`run_continuous`) at the same slot count.
 
   python -m sao_jax.benchmarks.rollout [--model=tiny | --hf_dir=/path/to/smollm2-hf] \
-      [--episodes=128 --slots=16 --workloads=single,multi --repeats=2 --decode_steps=32 --refill_rows=1,4]
+      [--episodes=128 --slots=16 --workloads=single,multi --repeats=2 --decode_steps=32 --refill_rows=1,4
+       --fuse_admissions=true,false]
 
 Workloads (the same episodes, the same seeds, for both runners):
 
@@ -22,7 +23,8 @@ figure). The continuous runner runs once per `--refill_rows` value (free slots a
 episodes wait: 1 refills a slot at once), interleaved with the static runs; a line per run says its decode steps,
 chunks, admissions and the wall and CPU seconds in each kind of device call. The continuous runner starts new
 episodes from the cache of the prompts' shared head (`--prefix_cache`, on by default: the chat template's system
-prompt); the static runner prefills whole prompts (one call per batch).
+prompt) and writes short admissions in the first step of a decode chunk (`--fuse_admissions`, one run per value);
+the static runner prefills whole prompts (one call per batch).
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ _PREFIX_CACHE = flags.DEFINE_bool('prefix_cache', True, 'Continuous: new episode
 _DECODE_STEPS = flags.DEFINE_integer('decode_steps', 32, 'Decode steps per continuous chunk (at most).')
 _REFILL_ROWS = flags.DEFINE_list('refill_rows', ['1', '4'], 'Continuous runs, one per value: while episodes wait, '
                                  'a decode chunk ends once this many slots are free (1: a slot is refilled at once).')
+_FUSE = flags.DEFINE_list('fuse_admissions', ['true'], 'Continuous runs, one per value (x --refill_rows): short '
+                          "admissions are written by the decode chunk's first step (true) or by device calls of "
+                          'their own (false).')
 _SEED = flags.DEFINE_integer('seed', 0, 'Workload and sampling seed.')
 
 
@@ -136,8 +141,10 @@ def main(argv):
   stop_ids = tuple(tok.stop_ids)
   backend = rollout.SamplerBackend(model, stop_ids=stop_ids, pad_id=tok.pad_id, max_total_len=max_seq_len,
                                    min_rows=slots_n)
+  fuses = [{'true': True, 'false': False}[x.lower()] for x in _FUSE.value]
   slot_sampler = SlotSampler(backend.sampler, num_slots=slots_n, max_seq_len=max_seq_len, stop_ids=stop_ids,
-                             pad_id=tok.pad_id, decode_steps=_DECODE_STEPS.value, prefix_cache=_PREFIX_CACHE.value)
+                             pad_id=tok.pad_id, decode_steps=_DECODE_STEPS.value, prefix_cache=_PREFIX_CACHE.value,
+                             fuse_admissions=any(fuses))
   t0 = time.perf_counter()
   slot_sampler.warmup(decoding)
   print(f'# model {name}; {n} episodes, {slots_n} slots; continuous warm-up (compile) {time.perf_counter() - t0:.1f}s, '
@@ -151,16 +158,18 @@ def main(argv):
                                   seeds=seeds[i:i + slots_n])
     return out
 
-  def run_cont(envs, refill):
+  def run_cont(envs, refill, fuse):
+    slot_sampler.fuse_admissions = fuse
     return run_continuous(slot_sampler, tok, envs, limits=limits, decoding=decoding, seeds=seeds[:len(envs)],
                           refill_rows=refill)
 
   refills = [int(x) for x in _REFILL_ROWS.value]
   if not refills or min(refills) < 1:
     raise ValueError(f'--refill_rows must list values >= 1, got {_REFILL_ROWS.value}.')
-  runners = [('static', run_static)] + [
-      (f'continuous (refill {r})' if len(refills) > 1 else 'continuous', lambda envs, r=r: run_cont(envs, r))
-      for r in refills]
+  run_name = lambda r, f: 'continuous' + ''.join(
+      [f' refill {r}' if len(refills) > 1 else '', (' fused' if f else ' unfused') if len(fuses) > 1 else ''])
+  runners = [('static', run_static)] + [(run_name(r, f), lambda envs, r=r, f=f: run_cont(envs, r, f))
+                                        for r in refills for f in fuses]
 
   # Where the continuous runner's time goes: device calls, decode steps run, wall and CPU seconds in each kind.
   calls = collections.defaultdict(float)
@@ -174,11 +183,12 @@ def main(argv):
       calls[f'{kind}_calls'] += 1
       if kind == 'decode':
         calls['decode_steps'] += max((len(r.ids) for r in out), default=0)  # Steps the chunk ran.
+        calls['fused'] += len(args[3])  # Admissions written by the chunk's first step.
       return out
     return call
 
-  slot_sampler.admit = counted('admit', slot_sampler.admit)
-  slot_sampler.decode = counted('decode', slot_sampler.decode)
+  slot_sampler._admit = counted('admit', slot_sampler._admit)  # pylint: disable=protected-access
+  slot_sampler._decode = counted('decode', slot_sampler._decode)  # pylint: disable=protected-access
 
   rng = np.random.default_rng(_SEED.value)
   print('| workload | runner | episodes/s | generated tok/s | wall s | speed-up | CPU s | CPU speed-up | load |')
@@ -200,7 +210,8 @@ def main(argv):
         runs[label].append((wall, tokens, cpu))
         if label != 'static':
           print(f'# {kind} {label} run {r}: {calls["decode_steps"]:.0f} decode steps in {calls["decode_calls"]:.0f} '
-                f'chunks, {calls["admit_calls"]:.0f} admissions; wall s: decode {calls["decode_wall"]:.2f}, admit '
+                f'chunks ({calls["fused"]:.0f} admissions fused into them), {calls["admit_calls"]:.0f} admission '
+                f'calls; wall s: decode {calls["decode_wall"]:.2f}, admit '
                 f'{calls["admit_wall"]:.2f}, rest {wall - calls["decode_wall"] - calls["admit_wall"]:.2f}; CPU s: '
                 f'decode {calls["decode_cpu"]:.2f}, admit {calls["admit_cpu"]:.2f}, rest '
                 f'{cpu - calls["decode_cpu"] - calls["admit_cpu"]:.2f}')

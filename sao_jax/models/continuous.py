@@ -66,7 +66,7 @@ import numpy as np
 
 from sao_jax.models import sampling
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.decode import DecodeCache, DecodeWeights, forward, init_cache, last_logits
+from sao_jax.models.decode import DecodeCache, DecodeWeights, forward, forward_mixed, init_cache, last_logits
 from sao_jax.models.sampler import StaticSettings, WeightsSnapshot, decode_windows, is_stop
 from sao_jax.models.sampling import SamplingParams
 
@@ -111,7 +111,8 @@ def _prefix_impl(cfg: ModelConfig, weights: DecodeWeights, tokens: Array, valid:
 
 
 def _decode_impl(st: StaticSettings, num_steps: int, weights: DecodeWeights, cache: DecodeCache, rows: Array,
-                 last: Array, active: Array, lengths: Array, budgets: Array, seeds: Array, free_target: Array):
+                 last: Array, active: Array, lengths: Array, budgets: Array, seeds: Array, free_target: Array,
+                 admit: Fused | None = None):
   """Up to `num_steps` tokens for each of the cache rows `rows` [R] (the active slots, gathered; rows >= B are
   padding: inactive, nothing is written back): feeds `last`, samples, stops a row at a stop token or when
   `lengths` (tokens of the turn so far) reaches `budgets` (all [R]). The chunk ends early once `free_target`
@@ -122,7 +123,12 @@ def _decode_impl(st: StaticSettings, num_steps: int, weights: DecodeWeights, cac
   and only the slots the chunk can have written (`num_steps` from each row's index) are scattered back into the
   donated full cache: one copy of the rows' windows per chunk instead of one per step, and no work for the slots
   that wait for an env step (on a tiny model most slots wait, and a decode step's cost is proportional to its
-  rows). Slots past the window and rows not gathered are left as they are."""
+  rows). Slots past the window and rows not gathered are left as they are.
+
+  `admit` (a fused admission, `Fused`): the chunk's first step also writes newcomers' chunks into some of the R
+  rows (inactive on entry) and samples each one's first token (`decode.forward_mixed`: one pass over the
+  weights for both); those rows then decode with the others. Their `lengths` come in as 0, so the first token
+  counts as the turn's first."""
   b = last.shape[0]
   tokens = jnp.full((b, num_steps), st.pad_id, jnp.int32)
   lps = jnp.zeros((b, num_steps), jnp.float32)
@@ -154,10 +160,14 @@ def _decode_impl(st: StaticSettings, num_steps: int, weights: DecodeWeights, cac
   small = DecodeCache(k=tuple(window(x, 3) for x in cache.k), v=tuple(window(x, 2) for x in cache.v),
                       valid=window(cache.valid, 1), index=take(cache.index), positions=take(cache.positions))
   start = small.index  # [R]: a row's chunk writes slots [start, start + num_steps) at most, inside the window.
+  n = num_steps
   carry = (jnp.zeros((), jnp.int32), small, tokens, lps, slps, active, lengths, last)
+  if admit is not None:  # The first step writes the newcomers' chunks too (module docstring).
+    carry, start = _fused_first_step(st, weights, seeds, budgets, admit, carry)
+    n += admit.chunk.shape[1] + admit.prefix.max_len  # A newcomer row writes from its prefix on.
   steps, small, tokens, lps, slps, active, lengths, last = jax.lax.while_loop(running, step, carry)
   # Only those slots go back (the rest of the window is what was gathered): [R, n] cells per row and layer.
-  n = min(num_steps, w)
+  n = min(n, w)
   start = jnp.minimum(start, w - n)  # A row that ended before the window's end wrote nothing past its index.
   cols = start[:, None] + jnp.arange(n, dtype=jnp.int32)  # [R, n]
   block = lambda x, axis: jax.vmap(lambda xr, i: jax.lax.dynamic_slice_in_dim(xr, i, n, axis=axis - 1))(x, start)
@@ -169,6 +179,65 @@ def _decode_impl(st: StaticSettings, num_steps: int, weights: DecodeWeights, cac
                       index=cache.index.at[rows].set(small.index, mode='drop'),
                       positions=cache.positions.at[rows].set(small.positions, mode='drop'))
   return cache, tokens, lps, slps, active, lengths, last, steps
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fused:
+  """Newcomers' chunks written by a decode chunk's first step (`_decode_impl`'s `admit`).
+
+  Attributes:
+    rows: int32 [P]: the decode rows (indices into the chunk's R rows) they go into; R marks padding.
+    chunk: int32 [P, T] right-padded chunks; `valid` bool [P, T] marks their real tokens.
+    reset: bool [P]: the row starts a new episode (empty, or holding the prefix where `from_prefix`).
+    from_prefix: bool [P].
+    prefix: the shared prefix's cache (one row of C slots; `_prefix_impl`'s, or an empty one).
+  """
+  rows: Array
+  chunk: Array
+  valid: Array
+  reset: Array
+  from_prefix: Array
+  prefix: DecodeCache
+
+
+def _fused_first_step(st: StaticSettings, weights: DecodeWeights, seeds: Array, budgets: Array, admit: Fused,
+                      carry: tuple) -> tuple[tuple, Array]:
+  """The decode loop's first step with the newcomers' chunks (`decode.forward_mixed`): returns the loop's carry
+  after it and each row's first written slot (a new episode's row: 0)."""
+  i, small, tokens, lps, slps, active, lengths, last = carry
+  r = last.shape[0]
+  put = lambda x, y: x.at[admit.rows].set(y, mode='drop')
+  rows_of = lambda x: jnp.take(x, admit.rows, axis=0, mode='clip')
+  reset = put(jnp.zeros((r,), bool), admit.reset)
+  # A new episode's row starts empty, or with the shared prefix in slots [0, C) (copied into its window).
+  seed_rows = jnp.where(admit.from_prefix, admit.rows, r)  # Only the rows that start from the prefix.
+  p = admit.rows.shape[0]
+  copy = lambda x, px, axis: x.at[seed_rows].set(jax.lax.dynamic_update_slice_in_dim(
+      rows_of(x), jnp.broadcast_to(px, (p,) + px.shape[1:]).astype(x.dtype), 0, axis), mode='drop')
+  small = DecodeCache(
+      k=tuple(copy(x, px, 3) for x, px in zip(small.k, admit.prefix.k)),
+      v=tuple(copy(x, px, 2) for x, px in zip(small.v, admit.prefix.v)),
+      valid=copy(small.valid, admit.prefix.valid, 1),
+      index=jnp.where(reset, put(jnp.zeros((r,), jnp.int32),
+                                 jnp.where(admit.from_prefix, admit.prefix.index[0], 0)), small.index),
+      positions=jnp.where(reset, put(jnp.zeros((r,), jnp.int32),
+                                     jnp.where(admit.from_prefix, admit.prefix.positions[0], 0)), small.positions))
+  start = jnp.where(reset, 0, small.index)
+  hidden, chunk_hidden, small = forward_mixed(st.cfg, weights, small, last, active, admit.rows, admit.chunk,
+                                              admit.valid, window=st.window)
+  logits = last_logits(weights, jnp.concatenate([hidden, chunk_hidden], axis=1))  # [R + P, V]
+  keys = jnp.concatenate([small.positions, rows_of(small.positions)])
+  tok, lp, slp = sampling.select_tokens(logits, jnp.concatenate([seeds, rows_of(seeds)]), keys, st.params)
+  newcomer = put(jnp.zeros((r,), bool), jnp.ones(admit.rows.shape, bool))
+  stepped = active | newcomer
+  pick = lambda x, fill: put(jnp.where(active, x[:r], fill), x[r:])
+  tok, lp, slp = pick(tok, st.pad_id), pick(lp, 0.0), pick(slp, 0.0)
+  tokens, lps, slps = tokens.at[:, 0].set(tok), lps.at[:, 0].set(lp), slps.at[:, 0].set(slp)
+  lengths = lengths + stepped.astype(jnp.int32)
+  ended = stepped & (is_stop(st, tok) | (lengths >= budgets))
+  last = jnp.where(stepped, tok, last)
+  return (i + 1, small, tokens, lps, slps, stepped & ~ended, lengths, last), start
 
 
 # The programs, shared by every SlotSampler of the process (module docstring): one compiled program per static
@@ -252,11 +321,14 @@ class SlotSampler:
       an admission reads the smallest that holds its rows' histories and chunk.
     prefix_cache: reuse the shared prefix of new prompts (module docstring): a new episode's slot starts from
       its cache instead of prefilling it.
+    fuse_admissions: `step` writes short admissions (past the prefix, at most the smallest chunk bucket; up to
+      4 per call) in the decode chunk's first step instead of a device call of their own (module docstring).
   """
 
   def __init__(self, source: SnapshotSource, *, num_slots: int, max_seq_len: int, stop_ids: Sequence[int],
                pad_id: int, chunk_buckets: Sequence[int] = (16, 32, 64), decode_steps: int = 16,
-               num_windows: int = 8, num_admit_windows: int = 3, prefix_cache: bool = True):
+               num_windows: int = 8, num_admit_windows: int = 3, prefix_cache: bool = True,
+               fuse_admissions: bool = True):
     if num_slots < 1 or decode_steps < 1 or max_seq_len < 2:
       raise ValueError(f'SlotSampler: num_slots={num_slots}, decode_steps={decode_steps} and max_seq_len='
                        f'{max_seq_len} must be >= 1, 1 and 2.')
@@ -279,6 +351,9 @@ class SlotSampler:
     self.admit_windows = tuple(range(step, self.cache_len, step)) + (self.cache_len,)
     # Admission rows: powers of 4 up to the slot count (few programs; a partly filled admission is cheap).
     self.row_buckets = tuple(sorted({min(4 ** k, self.num_slots) for k in range(16) if 4 ** (k - 1) < self.num_slots}))
+    # Fused admissions per decode chunk (`step`): 1, or up to 4 (one more program each per decode program).
+    self.fuse_admissions = bool(fuse_admissions)
+    self.fused_rows = tuple(x for x in self.row_buckets if x <= 4) if self.fuse_admissions else ()
     self._cache = _init_cache(self.cfg, self.num_slots, self.cache_len, per_row_index=True)
     # The shared prefix (module docstring): its tokens (at most the largest chunk bucket, so one call computes
     # it), and its cache for one weights version, recomputed when the version or the tokens change.
@@ -362,7 +437,8 @@ class SlotSampler:
     return cached[1]
 
   def _run_decode(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, *args):
-    self._used.add(('decode', st, rows.shape[0], self.decode_steps))
+    fused = args[-1]
+    self._used.add(('decode', st, rows.shape[0], self.decode_steps, None if fused is None else fused.chunk.shape))
     return _decode(st, self.decode_steps, weights, self._cache, rows, *args)
 
   # ---- Warm-up.
@@ -382,12 +458,18 @@ class SlotSampler:
                                             np.zeros((p, t), np.int32), np.zeros((p, t), bool), zeros,
                                             np.ones((p,), bool), zeros.astype(np.uint32), self._no_prefix,
                                             np.zeros((p,), bool))
+    t = self.chunk_buckets[0]
     for r in self.row_buckets:
-      for w in self.windows:
-        zeros = np.zeros((r,), np.int32)
-        out = self._run_decode(self._static(params, w), snapshot.weights, np.full((r,), self.num_slots, np.int32),
-                               zeros, np.zeros((r,), bool), zeros, zeros, zeros.astype(np.uint32), np.int32(r + 1))
-        self._cache = out[0]
+      for p in (None, *(x for x in self.fused_rows if x <= r)):
+        admit = None if p is None else Fused(np.full((p,), r, np.int32), np.zeros((p, t), np.int32),
+                                             np.zeros((p, t), bool), np.zeros((p,), bool), np.zeros((p,), bool),
+                                             self._no_prefix)
+        for w in self.windows:
+          zeros = np.zeros((r,), np.int32)
+          out = self._run_decode(self._static(params, w), snapshot.weights, np.full((r,), self.num_slots, np.int32),
+                                 zeros, np.zeros((r,), bool), zeros, zeros, zeros.astype(np.uint32), np.int32(r + 1),
+                                 admit)
+          self._cache = out[0]
     jax.block_until_ready(self._cache)
 
   # ---- Admission and decoding.
@@ -397,8 +479,15 @@ class SlotSampler:
     whole call). Returns one `SlotTokens` per admission (ended when the first token already ends the turn)."""
     if not admissions:
       return []
-    snapshot = self.source.snapshot
+    return self._admit(admissions, *self._prepare(admissions), self.source.snapshot, params)
+
+  def _prepare(self, admissions: Sequence[Admission]) -> tuple[list[list[int]], list[int]]:
+    """Checks the admissions; returns each one's chunk (a next turn: the slot's pending token in front) and
+    where its write starts in it (the shared prefix's length for a new prompt that starts with it, else 0)."""
     chunks = []
+    slots = [a.slot for a in admissions]
+    if len(set(slots)) != len(slots):
+      raise ValueError(f'SlotSampler.admit: slots {slots} are not distinct.')
     for a in admissions:
       if not 0 <= a.slot < self.num_slots or self.active[a.slot]:
         raise ValueError(f'SlotSampler.admit: slot {a.slot} is not a free slot of {self.num_slots}.')
@@ -421,6 +510,10 @@ class SlotSampler:
     n_prefix = len(self.prefix)
     starts = [n_prefix if a.new and n_prefix and len(c) > n_prefix and tuple(c[:n_prefix]) == self.prefix else 0
               for a, c in zip(admissions, chunks)]
+    return chunks, starts
+
+  def _admit(self, admissions: Sequence[Admission], chunks: list[list[int]], starts: list[int],
+             snapshot: WeightsSnapshot, params: SamplingParams) -> list[SlotTokens]:
     prefix = self._prefix_for(snapshot) if any(starts) else self._no_prefix
     piece = self.chunk_buckets[-1]
     pieces = [[c[i:i + piece] for i in range(start, len(c), piece)] for c, start in zip(chunks, starts)]
@@ -479,32 +572,91 @@ class SlotSampler:
 
     `free_target`: the chunk ends as soon as this many slots are inactive (the caller has newcomers waiting
     for them); None: it runs `decode_steps` steps or until no slot is active."""
-    was_active = self.active.copy()
-    if not was_active.any():
-      return []
+    return self._decode(params, free_target, self.source.snapshot, [])
+
+  def step(self, admissions: Sequence[Admission], params: SamplingParams, *,
+           refill: int | None = None) -> list[SlotTokens]:
+    """Admits `admissions` and runs one decode chunk over them and the active slots (one snapshot).
+
+    With `fuse_admissions`, up to `max(fused_rows)` admissions whose chunk (past the shared prefix) fits the
+    smallest chunk bucket are written by the chunk's first step (`decode.forward_mixed`: one pass over the
+    weights for the decode step and the chunks, no device call of their own); the others are admitted first
+    (`admit`). Returns a slot's tokens of the call in one `SlotTokens` (an admitted slot's first token first).
+    `refill`: the chunk ends once this many more slots are inactive than after the admissions (None: it runs
+    `decode_steps` steps or until no slot is active)."""
     snapshot = self.source.snapshot
-    # The active slots, gathered into a row bucket (padding rows point past the cache); the loop runs on their
-    # rows cut to the window, which must hold every active slot's chunk.
-    idx = np.flatnonzero(was_active)
+    chunks, starts = self._prepare(admissions) if admissions else ([], [])
+    fused, rest = [], []
+    for a, c, start in zip(admissions, chunks, starts):
+      fits = self.fuse_admissions and len(fused) < self.fused_rows[-1] and len(c) - start <= self.chunk_buckets[0]
+      (fused if fits else rest).append((a, c, start))
+    first = self._admit([x[0] for x in rest], [x[1] for x in rest], [x[2] for x in rest], snapshot,
+                        params) if rest else []
+    busy = int(self.active.sum()) + len(fused)
+    free_target = None if refill is None else self.num_slots - busy + int(refill)
+    merged: dict[int, SlotTokens] = {r.slot: r for r in first}
+    for r in self._decode(params, free_target, snapshot, fused):
+      if r.slot in merged:  # Admitted above: its first token, then the chunk's.
+        m = merged[r.slot]
+        r = SlotTokens(r.slot, m.ids + r.ids, m.logprobs + r.logprobs, m.sampling_logprobs + r.sampling_logprobs,
+                       r.version, r.ended)
+      merged[r.slot] = r
+    return list(merged.values())
+
+  def _decode(self, params: SamplingParams, free_target: int | None, snapshot: WeightsSnapshot,
+              fused: list[tuple[Admission, list[int], int]]) -> list[SlotTokens]:
+    was_active = self.active.copy()
+    if not was_active.any() and not fused:
+      return []
+    # The active slots and the fused newcomers, gathered into a row bucket (padding rows point past the
+    # cache); the loop runs on their rows cut to the window, which must hold every row's chunk.
+    newcomer = {a.slot: (a, c, start) for a, c, start in fused}
+    idx = np.asarray(sorted(set(np.flatnonzero(was_active).tolist()) | set(newcomer)), np.int64)
     n, r = len(idx), next(x for x in self.row_buckets if len(idx) <= x)
     rows = np.full((r,), self.num_slots, np.int32)
     rows[:n] = idx
     gather = lambda a: np.concatenate([a[idx], np.zeros((r - n,), a.dtype)])
-    need = min(int(self.fill[idx].max()) + self.decode_steps, self.cache_len)
+    # Tokens a row holds before the chunk (a newcomer: its history past the admission, the chunk included).
+    base = {s: (0 if a.new else int(self.fill[s])) + len(c) for s, (a, c, _) in newcomer.items()}
+    need = min(max(base.get(int(s), int(self.fill[s])) for s in idx) + self.decode_steps, self.cache_len)
     window = next(w for w in self.windows if need <= w)
     # `free_target` counts free slots of all B; the chunk counts inactive rows of its R (B - n are not in it).
     target = r + 1 if free_target is None else free_target - (self.num_slots - r)
+    lengths_in = self.lengths.copy()
+    seeds, budgets = self.seeds.copy(), self.budgets.copy()
+    admit = None
+    if fused:
+      t, p = self.chunk_buckets[0], next(x for x in self.fused_rows if len(fused) <= x)
+      pos = {int(s): j for j, s in enumerate(idx)}
+      f_rows = np.full((p,), r, np.int32)
+      chunk = np.full((p, t), self.pad_id, np.int32)
+      valid = np.zeros((p, t), bool)
+      reset, from_prefix = np.zeros((p,), bool), np.zeros((p,), bool)
+      for j, (a, c, start) in enumerate(fused):
+        part = c[start:]
+        f_rows[j], reset[j], from_prefix[j] = pos[a.slot], a.new, a.new and start > 0
+        chunk[j, :len(part)], valid[j, :len(part)] = part, True
+        lengths_in[a.slot], budgets[a.slot] = 0, a.budget
+        if a.new:
+          seeds[a.slot] = a.seed % (1 << 32)
+      prefix = self._prefix_for(snapshot) if from_prefix.any() else self._no_prefix
+      admit = Fused(f_rows, chunk, valid, reset, from_prefix, prefix)
     out = self._run_decode(self._static(params, window), snapshot.weights, rows, gather(self.last),
-                           gather(was_active), gather(self.lengths), gather(self.budgets), gather(self.seeds),
-                           np.int32(target))
+                           gather(was_active), gather(lengths_in), gather(budgets), gather(seeds),
+                           np.int32(target), admit)
     self._cache = out[0]
     tokens, lps, slps, active, lengths, last, _ = jax.device_get(out[1:])
     results = []
     for j, s in enumerate(idx):
-      k = int(lengths[j] - self.lengths[s])
+      k = int(lengths[j] - lengths_in[s])
       results.append(SlotTokens(int(s), tokens[j, :k].tolist(), lps[j, :k].tolist(), slps[j, :k].tolist(),
                                 snapshot.version, not bool(active[j])))
-      self.fill[s] += k  # Each step wrote the slot's previous token.
+      if s in newcomer:  # Its chunk, then a step per token after the first (each wrote the token before it).
+        self.seeds[s], self.budgets[s] = seeds[s], budgets[s]
+        self.fill[s] = base[int(s)] + k - 1
+        self.has_pending[s] = True
+      else:
+        self.fill[s] += k  # Each step wrote the slot's previous token.
       self.pending[s] = last[j]
       self.active[s], self.lengths[s], self.last[s] = bool(active[j]), lengths[j], last[j]
     return results

@@ -295,6 +295,112 @@ def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens
   return hidden, new_cache
 
 
+def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens: Array, active: Array,
+                  chunk_rows: Array, chunk: Array, chunk_valid: Array, *,
+                  window: int | None = None) -> tuple[Array, Array, DecodeCache]:
+  """One decode step of R rows fused with chunks written into some of them, in one pass over the weights.
+
+  The continuous sampler's admission and decode step together (`sao_jax.models.continuous`): the R decode
+  tokens and the P x T chunk tokens go through every projection and MLP as one `[D, R + P T]` block (on a CPU,
+  a step's cost is mostly reading the weights, so the chunk rides along for its extra FLOPs), and each part
+  attends with its own kernel: single-token attention for the decode rows, chunk attention for the chunks.
+
+  Args:
+    cfg: model config (static).
+    weights: `decode_weights(model)`.
+    cache: a slot-major cache of R rows (`per_row_index=True`).
+    tokens: int32 `[R]`: each row's next token, written at its `index` where `active`.
+    active: bool `[R]`: rows that decode (inactive rows write a hole and do not advance).
+    chunk_rows: int32 `[P]`: the rows (in `[0, R)`) the chunks are written into, at their `index`; R marks a
+      padding entry (nothing written). A chunk's row must not be `active`, and rows must be distinct.
+    chunk: int32 `[P, T]`, right-padded; `chunk_valid` bool `[P, T]` marks the real tokens.
+    window: static; attend only over slots `[0, window)` (needs `index + 1` and `index + T` inside it).
+
+  Returns:
+    `(hidden, chunk_hidden, new_cache)`: final-norm hidden states `[D, R]` of the decode tokens and `[D, P]` of
+    each chunk's last real token; the cache with `index` and `positions` advanced by one on active rows and by
+    the chunk's real tokens on chunk rows. The same function as `forward` on the decode rows and on the chunks
+    (tests compare them).
+  """
+  r, = tokens.shape
+  p, t = chunk.shape
+  chex.assert_shape(active, (r,))
+  chex.assert_shape(chunk_rows, (p,))
+  chex.assert_shape(chunk_valid, (p, t))
+  n, kh, g, h = cfg.num_heads, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
+  s = cache.max_len
+  dt = jnp.dtype(cfg.dtype)
+  window = s if window is None else min(window, s)
+  active, chunk_valid = active.astype(bool), chunk_valid.astype(bool)
+  rows_of = lambda x: jnp.take(x, chunk_rows, axis=0, mode='clip')  # The chunks' rows (padding: any row).
+  chunk_index = rows_of(cache.index)
+  dec_pos = cache.positions[:, None]  # [R, 1]
+  chunk_pos = default_positions(chunk_valid, p, t, rows_of(cache.positions))  # [P, T]
+  cos_d, sin_d = rope_tables(dec_pos, rope_inv_freq(cfg))
+  cos_c, sin_c = rope_tables(chunk_pos, rope_inv_freq(cfg))
+
+  def write(x, dec, part, axis):
+    """The decode tokens at each row's index, then the chunks at their rows' index (they overwrite the hole
+    an inactive chunk row's decode token left there)."""
+    per_row = lambda xs, us, idx: jax.vmap(
+        lambda xr, ur, i: jax.lax.dynamic_update_slice_in_dim(xr, ur, i, axis=axis - 1))(xs, us, idx)
+    x = per_row(x, dec, cache.index)
+    return x.at[chunk_rows].set(per_row(rows_of(x), part, chunk_index), mode='drop')
+
+  slot_valid = write(cache.valid, active[:, None], chunk_valid, 1)
+  slots = jnp.arange(window, dtype=jnp.int32)
+  dec_mask = slot_valid[:, :window] & (slots[None, :] <= cache.index[:, None])  # [R, W]
+  chunk_slots = chunk_index[:, None] + jnp.arange(t, dtype=jnp.int32)  # [P, T]
+  chunk_mask = rows_of(slot_valid)[:, None, :window] & (slots[None, None, :] <= chunk_slots[:, :, None])
+  scale = h ** -0.5
+  m = r + p * t
+  f = cfg.mlp_dim
+
+  def heads(y, c):  # [c H, M] -> ([R, 1, c, H], [P, T, c, H])
+    return (y[:, :r].reshape(c, h, r, 1).transpose(2, 3, 0, 1),
+            y[:, r:].reshape(c, h, p, t).transpose(2, 3, 0, 1))
+
+  x = jnp.take(weights.embed, jnp.concatenate([tokens, chunk.reshape(p * t)]), axis=0).astype(dt).T  # [D, M]
+  new_k, new_v = [], []
+  for i, lw in enumerate(weights.layers):
+    y = rms_norm(x, lw.attn_norm, cfg.norm_eps, axis=0)
+    qkv = lw.wqkv @ y
+    if lw.bqkv is not None:
+      qkv = qkv + lw.bqkv
+    (qd, qc), (kd, kc) = heads(qkv[:n * h], n), heads(qkv[n * h:(n + kh) * h], kh)
+    vd, vc = heads(qkv[(n + kh) * h:(n + 2 * kh) * h], kh)
+    if lw.q_norm is not None:
+      qd, kd = rms_norm(qd, lw.q_norm, cfg.norm_eps), rms_norm(kd, lw.k_norm, cfg.norm_eps)
+      qc, kc = rms_norm(qc, lw.q_norm, cfg.norm_eps), rms_norm(kc, lw.k_norm, cfg.norm_eps)
+    qd, kd = apply_rope(qd, cos_d, sin_d), apply_rope(kd, cos_d, sin_d)
+    qc, kc = apply_rope(qc, cos_c, sin_c), apply_rope(kc, cos_c, sin_c)
+    kdt, vdt = cache.k[i].dtype, cache.v[i].dtype
+    k_cache = write(cache.k[i], kd.transpose(0, 2, 3, 1).astype(kdt), kc.transpose(0, 2, 3, 1).astype(kdt), 3)
+    v_cache = write(cache.v[i], vd.transpose(0, 2, 1, 3).astype(vdt), vc.transpose(0, 2, 1, 3).astype(vdt), 2)
+    new_k.append(k_cache)
+    new_v.append(v_cache)
+    k_cache, v_cache = k_cache[..., :window], v_cache[:, :, :window]
+    att_d = _attend_one(qd.reshape(r, kh, g, h), k_cache, v_cache, dec_mask, scale)  # [R, K, G, H]
+    att_c = _attend_chunk(qc.reshape(p, t, kh, g, h), rows_of(k_cache), rows_of(v_cache), chunk_mask, scale)
+    att = jnp.concatenate([att_d.reshape(r, n * h), att_c.reshape(p * t, n * h)]).T  # [N H, M]
+    x = x + lw.wo @ att
+    y = rms_norm(x, lw.mlp_norm, cfg.norm_eps, axis=0)
+    gate_up = lw.w_gate_up @ y
+    x = x + lw.w_down @ (jax.nn.silu(gate_up[:f]) * gate_up[f:])
+  lengths = jnp.sum(chunk_valid, axis=1, dtype=jnp.int32)  # [P]
+  last = jnp.take_along_axis(x[:, r:].reshape(-1, p, t), jnp.maximum(lengths - 1, 0)[None, :, None], axis=2)[..., 0]
+  hidden = rms_norm(x[:, :r], weights.final_norm, cfg.norm_eps, axis=0)
+  chunk_hidden = rms_norm(last, weights.final_norm, cfg.norm_eps, axis=0)
+  step = active.astype(jnp.int32)
+  chunk_last = jnp.max(jnp.where(chunk_valid, chunk_pos, -1), axis=-1)
+  new_cache = DecodeCache(
+      k=tuple(new_k), v=tuple(new_v), valid=slot_valid,
+      index=(cache.index + step).at[chunk_rows].set(chunk_index + lengths, mode='drop'),
+      positions=(cache.positions + step).at[chunk_rows].set(
+          jnp.maximum(rows_of(cache.positions), chunk_last + 1), mode='drop'))
+  return hidden, chunk_hidden, new_cache
+
+
 def last_logits(weights: DecodeWeights, hidden_t: Array) -> Array:
   """float32 `[B, V]` logits from the transposed last hidden states `[D, B]` (`unembed @ hidden_t`, the
   fast layout for a `[V, D]` table on CPU). Operands are upcast to float32 (no-ops for float32 compute): with

@@ -12,13 +12,13 @@ end; the host loop alternates
    an episode that goes on is queued for admission with its observation tokens, one that ended becomes a
    `Trajectory` and frees its slot;
 2. fill: free slots take new episodes (their prompts) from the waiting list;
-3. admit: one device call writes every queued chunk (new prompts and next turns) into its slot and samples
-   each turn's first token;
-4. decode: one chunk of at most `decode_steps` steps over all slots (per-slot active mask); a slot whose turn
-   ended (stop token, budget) hands the turn to the env pool and waits for its observation. While new
-   episodes wait, the chunk ends as soon as `refill_rows` more slots are free (1: a freed slot is refilled at
-   once; the default, a quarter of the slots, admits several together: fewer device calls, each with a fixed
-   cost, for a few idle slot-steps).
+3. admit and decode (`SlotSampler.step`): every queued chunk (new prompts and next turns) is written into its
+   slot and each turn's first token sampled (short chunks by the decode chunk's first step, fused with it;
+   others by an admission call before it), then one chunk of at most `decode_steps` steps runs over all slots
+   (per-slot active mask); a slot whose turn ended (stop token, budget) hands the turn to the env pool and
+   waits for its observation. While new episodes wait, the chunk ends as soon as `refill_rows` more slots are
+   free (1: a freed slot is refilled at once; the default, a quarter of the slots, admits several together:
+   fewer device calls, each with a fixed cost, for a few idle slot-steps).
 
 When no slot can decode and nothing is ready to admit, the loop waits for the first env step to finish.
 
@@ -193,18 +193,14 @@ class ContinuousRunner:
     done: list[tuple[Hashable, types.Trajectory]] = []
     self._harvest(done, block=False)
     self._fill()
-    worked = False
-    if self._admissions:
-      admissions, self._admissions = self._admissions, []
-      self._device_call(lambda: self.slots.admit(admissions, self.decoding), [a.slot for a in admissions])
-      worked = True
-    if self.slots.any_active:
-      active = [int(s) for s in self.slots.active.nonzero()[0]]
-      free_target = None
+    admissions, self._admissions = self._admissions, []
+    worked = bool(admissions) or self.slots.any_active
+    if worked:  # One call: the admissions (fused into the decode chunk where they fit), then the chunk.
+      busy = sorted({int(s) for s in self.slots.active.nonzero()[0]} | {a.slot for a in admissions})
+      refill = None
       if self._waiting and not self._draining:  # Newcomers wait: end the chunk when `refill_rows` slots free up.
-        free_target = self.slots.num_slots - len(active) + min(self.refill_rows, len(self._waiting))
-      self._device_call(lambda: self.slots.decode(self.decoding, free_target=free_target), active)
-      worked = True
+        refill = min(self.refill_rows, len(self._waiting))
+      self._device_call(lambda: self.slots.step(admissions, self.decoding, refill=refill), busy)
     if not worked and self._env_steps and not done:
       self._harvest(done, block=True)
     return done

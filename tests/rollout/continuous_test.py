@@ -80,12 +80,14 @@ class ContinuousTest(absltest.TestCase):
                           seeds=list(order), group_ids=list(order), **kwargs)
 
   def test_compiled_programs_are_fixed_by_the_slot_count(self):
-    # Per sampling setting: row buckets {1, 2} x chunk buckets {16} x admit windows {128, 192} admit programs,
-    # row buckets {1, 2} x windows {96, 192} decode programs; one program computes the shared prefix.
+    # Per sampling setting: row buckets {1, 2} x chunk buckets {16} x admit windows {128, 192} admit programs;
+    # decode programs: windows {96, 192} x (row bucket 1: plain, 1 fused admission; row bucket 2: plain, 1 or 2
+    # fused admissions); one program computes the shared prefix.
     self.assertEqual(self.slots.row_buckets, (1, 2))
+    self.assertEqual(self.slots.fused_rows, (1, 2))
     self.assertEqual(self.slots.windows, (96, 192))
     self.assertEqual(self.slots.admit_windows, (128, 192))
-    self.assertEqual(self.compiled, {'admit': 2 * 2 * 1 * 2, 'decode': 2 * 2 * 2, 'prefix': 1})
+    self.assertEqual(self.compiled, {'admit': 2 * 2 * 1 * 2, 'decode': 2 * (2 + 3) * 2, 'prefix': 1})
 
   def test_samplers_of_a_process_share_their_programs(self):
     """A second SlotSampler of the same model and shapes (another actor, another trainer run) compiles nothing:
@@ -96,7 +98,7 @@ class ContinuousTest(absltest.TestCase):
                        num_admit_windows=2)
     self.assertEqual(twin.num_compiled(), {'admit': 0, 'decode': 0, 'prefix': 0})
     twin.warmup(_GREEDY)
-    self.assertEqual(twin.num_compiled(), {'admit': 4, 'decode': 4, 'prefix': 1})
+    self.assertEqual(twin.num_compiled(), {'admit': 4, 'decode': 10, 'prefix': 1})
     self.assertEqual(continuous_lib.compiled_programs(), before)
     other = SlotSampler(self.backend.sampler, num_slots=3, max_seq_len=128, stop_ids=self.backend.stop_ids,
                         pad_id=self.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2,
@@ -216,53 +218,79 @@ class ContinuousTest(absltest.TestCase):
     """Prompts with a common head (a chat template's system prompt): the slot of a new episode starts from the
     head's cache and only the rest is written; the tokens and log-probs are the plain forward's, also after a
     weight swap (the head's cache is recomputed) and after a prompt that shares less (the prefix shrinks), and
-    they equal those of a sampler without the prefix cache."""
+    they equal those of a sampler without the prefix cache. Each pair of prompts goes through `step`: the
+    second is admitted while the first decodes; fused into the decode chunk (`fuse_admissions`) or by an
+    admission call of its own, the tokens are the same, and the host's fill mirrors the cache's index."""
     head = [3 + (7 * i) % 40 for i in range(12)]
     prompts = [head + [50, 51], head + list(range(60, 70)), head + [70], head[:9] + [80, 81], head + [90, 91, 92]]
     other = helpers.small_model(self.tok.vocab_size, seed=9)
     self.addCleanup(self.backend.update_weights, self.model, version=4)
 
-    def play(prefix_cache):
+    def play(prefix_cache, fuse):
       self.backend.update_weights(self.model, version=4)
       slots = SlotSampler(self.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=(), pad_id=self.tok.pad_id,
                           chunk_buckets=(16,), decode_steps=4, num_windows=2, num_admit_windows=2,
-                          prefix_cache=prefix_cache)
+                          prefix_cache=prefix_cache, fuse_admissions=fuse)
       slots.warmup(_GREEDY)
       compiled = slots.num_compiled()
+      admit_calls = 0
+      admit = slots._admit
+
+      def counted_admit(*args):
+        nonlocal admit_calls
+        admit_calls += 1
+        return admit(*args)
+
+      slots._admit = counted_admit
       seqs, lps, models, prefixes = [], [], [], []
+
+      def call(got, fn, *args):
+        got += fn(*args)
+        used = [s for s in range(2) if slots.has_pending[s]]
+        np.testing.assert_array_equal(slots.fill[used], np.asarray(slots._cache.index)[used])
+
       for first in range(0, len(prompts), 2):
         if first == 4:
           self.backend.update_weights(other, version=5)  # The last prompt runs on other weights, same prefix.
         batch = prompts[first:first + 2]
         for slot in range(2):
           slots.release(slot)
-        got = slots.admit([Admission(j, p, new=True, budget=6, seed=j) for j, p in enumerate(batch)], _GREEDY)
+        got = []
+        for j, p in enumerate(batch):  # The second admitted while the first decodes.
+          call(got, slots.step, [Admission(j, p, new=True, budget=6, seed=j)], _GREEDY)
         prefixes.append(slots.prefix)
         while slots.active.any():
-          got += slots.decode(_GREEDY)
+          call(got, slots.decode, _GREEDY)
         for j, p in enumerate(batch):
           seqs.append(p + [x for r in got if r.slot == j for x in r.ids])
           lps.append([x for r in got if r.slot == j for x in r.logprobs])
           models.append(self.model if first < 4 else other)
       self.assertEqual(slots.num_compiled(), compiled)
-      return seqs, lps, models, prefixes
+      return seqs, lps, models, prefixes, admit_calls
 
-    seqs, lps, models, prefixes = play(True)
+    seqs, lps, models, prefixes, admit_calls = play(True, True)
     self.assertEqual(prefixes, [tuple(head), tuple(head[:9]), tuple(head[:9])])
+    self.assertEqual(admit_calls, 0)  # Every admission fused: at most 16 tokens past the prefix.
     for seq, lp, model, prompt in zip(seqs, lps, models, prompts):
+      self.assertLen(seq, len(prompt) + 6)
       logits = np.asarray(_logits(model, _padded([types.SimpleNamespace(tokens=seq)])))[0]
       pos = np.arange(len(prompt), len(seq))
       np.testing.assert_array_equal(np.asarray(seq)[pos], np.argmax(logits[pos - 1], axis=-1))
       log_pi = logits[pos - 1] - np.log(np.exp(logits[pos - 1]).sum(-1, keepdims=True))
       np.testing.assert_allclose(lp, log_pi[np.arange(len(pos)), np.asarray(seq)[pos]], atol=2e-4)
-    plain_seqs, _, _, plain_prefixes = play(False)
-    self.assertEqual(plain_prefixes, [(), (), ()])
-    self.assertEqual(plain_seqs, seqs)
+    for prefix_cache, fuse in ((True, False), (False, True)):
+      plain_seqs, plain_lps, _, plain_prefixes, plain_admits = play(prefix_cache, fuse)
+      self.assertEqual(plain_prefixes, [tuple(head), tuple(head[:9]), tuple(head[:9])] if prefix_cache
+                       else [(), (), ()])
+      self.assertEqual(plain_admits, 5 if not fuse else 1)  # Without the prefix, one prompt exceeds 16 tokens.
+      self.assertEqual(plain_seqs, seqs)
+      np.testing.assert_allclose(np.concatenate(plain_lps), np.concatenate(lps), atol=1e-5)
 
   def test_a_weight_swap_mid_run_is_recorded_per_token(self):
     other = helpers.small_model(self.tok.vocab_size, seed=9)
     self.addCleanup(self.backend.update_weights, self.model, version=4)
-    follower = _SwapAfter(self.backend, other, 5, at=5)
+    # Swapped before the 4th runner step: slot 0's first episode is in its second turn then.
+    follower = _SwapAfter(self.backend, other, 5, at=4)
     got = self._continuous(range(len(self.examples)), _GREEDY, follower=follower)
     both = 0
     for t in got:
