@@ -84,14 +84,15 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
                'configs/calculator.py', _algos({})),
     Experiment('ablations', "SAO's recipe, one switch at a time (multi-turn calculator)", 'configs/calculator.py',
                ABLATIONS, panels=('learner/critic/grad_norm', 'learner/critic/explained_variance')),
-    # The staleness bound only binds when the actors run ahead of the learner: on one shared device they run
-    # between its updates and the batch is at most one version old (the `ablations` arms staleness_2 / 8 are
-    # sao's recipe again). Here the actors have a device of their own (the loop benchmark's setting).
+    # The staleness bound only binds when the actors can run ahead of the learner: on one shared device they
+    # run between its updates, and a queue of one batch (calculator's 64) holds them at most ~2 versions ahead
+    # (the `ablations` arms staleness_2 / 8 are sao's recipe again). Here the actors have a device of their own
+    # (the loop benchmark's setting) and the queue room for 8 batches.
     Experiment('staleness', "SAO's staleness bound with actors on a device of their own (calculator)",
                'configs/calculator.py',
                (Arm('sao'), Arm('staleness_0', {'trainer.max_staleness': 0}),
                 Arm('staleness_2', {'trainer.max_staleness': 2}), Arm('staleness_8', {'trainer.max_staleness': 8})),
-               seeds=(0,), overrides={'mesh.actor_devices': 1}, cpu_devices=2,
+               seeds=(0,), overrides={'mesh.actor_devices': 1, 'trainer.queue_size': 512}, cpu_devices=2,
                panels=('staleness/mean', 'learner/critic/explained_variance', 'reward_mean')),
     Experiment('stability', 'SAO for 1000 learner steps, async GRPO beside it (calculator)',
                'configs/calculator.py',
