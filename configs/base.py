@@ -101,6 +101,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.prefix_cache = True  # Continuous: new episodes start from the cache of the prompts' shared head (e.g. the chat
   # template's system prompt; learned from the prompts, at most the largest admission chunk): only the rest is
   # prefilled. Same tokens either way.
+  s.fuse_admissions = False  # Continuous: an admission of at most the smallest chunk bucket (16) of tokens past the
+  # prefix (a next turn's observation, a prompt's rest), one per call, is written by the decode chunk's first step
+  # instead of a device call of its own (one read of the weights for both). Same tokens either way. Off: its
+  # programs compile ~2x slower and double the decode programs (README, Benchmarks).
   s.compile_ahead = False  # Continuous: compile every slot program before the first episode (else each at first use).
 
   # ---- Task / environment.

@@ -20,6 +20,7 @@ import jax
 from experiments import report
 from experiments import specs
 from sao_jax import config_lib
+from sao_jax import parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,12 +52,18 @@ def split_cpu(n: int) -> None:
 
 
 def validate(names: Sequence[str], *, quick: bool = False) -> None:
-  """Every arm of the experiments `names` passes `config_lib.validate`, or ValueError names the arm."""
+  """Every arm of the experiments `names` passes `config_lib.validate`, or ValueError names the arm. An
+  experiment that splits the CPU (`cpu_devices`) is checked on the first that many devices (`split_cpu`), the
+  ones its runs will have (a process split further, like the test suite's 8, has more)."""
   for exp in (specs.EXPERIMENTS[n] for n in names):
     for arm in exp.arms:
       overrides = run_overrides(exp, arm, exp.seeds[0], quick=quick)
       try:
-        config_lib.validate(load_config(exp, overrides), log=False)
+        config = load_config(exp, overrides)
+        devices = None
+        if exp.cpu_devices and jax.default_backend() == 'cpu':
+          devices = jax.devices()[parallel.actor_device_count(config.mesh):exp.cpu_devices]  # The learner's.
+        config_lib.validate(config, devices=devices, log=False)
       except Exception as e:
         raise ValueError(f'experiment {exp.name}, arm {arm.name}: {e}') from e
 

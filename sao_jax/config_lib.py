@@ -185,6 +185,7 @@ FIELDS: dict[str, Check] = {
     'sampler.refill_rows': _int(ge=0),
     'sampler.compile_ahead': Check(bool),
     'sampler.prefix_cache': Check(bool),
+    'sampler.fuse_admissions': Check(bool),
     # ---- task (registry.validate_task_config: name, max_turns, eval_size, kwargs by the task's options)
     'task.name': Check(str),
     'task.max_turns': Check(int),

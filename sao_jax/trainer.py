@@ -389,6 +389,7 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
                            decode_steps=int(config.sampler.decode_steps),
                            refill_rows=int(config.sampler.refill_rows) or None,
                            prefix_cache=bool(config.sampler.prefix_cache),
+                           fuse_admissions=bool(config.sampler.fuse_admissions),
                            compile_ahead=bool(config.sampler.compile_ahead),
                            # Async: episodes bound to come back too stale end in flight (counted), and newer
                            # weights are taken once their update has run (the actors never wait for it).

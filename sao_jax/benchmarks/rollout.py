@@ -65,7 +65,7 @@ _PREFIX_CACHE = flags.DEFINE_bool('prefix_cache', True, 'Continuous: new episode
 _DECODE_STEPS = flags.DEFINE_integer('decode_steps', 32, 'Decode steps per continuous chunk (at most).')
 _REFILL_ROWS = flags.DEFINE_list('refill_rows', ['1', '4'], 'Continuous runs, one per value: while episodes wait, '
                                  'a decode chunk ends once this many slots are free (1: a slot is refilled at once).')
-_FUSE = flags.DEFINE_list('fuse_admissions', ['true'], 'Continuous runs, one per value (x --refill_rows): short '
+_FUSE = flags.DEFINE_list('fuse_admissions', ['false'], 'Continuous runs, one per value (x --refill_rows): short '
                           "admissions are written by the decode chunk's first step (true) or by device calls of "
                           'their own (false).')
 _SEED = flags.DEFINE_integer('seed', 0, 'Workload and sampling seed.')

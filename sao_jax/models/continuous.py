@@ -19,11 +19,18 @@ own write slot and RoPE positions) and two kinds of jitted programs:
   when no row is active, or once `free_target` slots are free: newcomers are waiting for them). A row leaves
   the active set when its turn ends (stop token or budget); inactive rows write nothing that is ever read and
   do not advance. The loop runs on a copy of the R rows cut to a window (`windows`: a few static sizes, chosen
-  per chunk to hold every active slot's history and chunk); the slots the chunk wrote go back once per chunk.
+  per chunk to hold every active slot's history and chunk); the slots the chunk wrote go back once per chunk;
+* **fused admission** (`step`, `fuse_admissions`): a decode chunk whose first step also writes a newcomer's
+  chunk of at most the smallest chunk bucket (a next turn's observation, or a prompt's rest past the shared
+  prefix) into its row and samples its first token (`decode.forward_mixed`: the decode tokens and the chunk go
+  through the projections and MLPs as one block, each part through its own attention). On a CPU an admission
+  call costs about a decode step (both read all the weights; SmolLM2: ~100 ms); fused, it costs the chunk's
+  extra FLOPs. One admission per chunk is fused (each fused row bucket is one more program per decode program);
+  the others of a round, and longer chunks, get an admit call first.
 
 So the number of compiled programs is fixed by the slot count: at most `len(P buckets) x len(chunk_buckets) x
-len(admit_windows)` admit programs and `len(P buckets) x len(windows)` decode programs; slots come and go without
-a recompile. The programs are module-level jitted functions keyed by their static settings and shapes, so every
+len(admit_windows)` admit programs and `2 x len(P buckets) x len(windows)` decode programs (plain and with one
+fused admission); slots come and go without a recompile. The programs are module-level jitted functions keyed by their static settings and shapes, so every
 `SlotSampler` of a process with the same model, slot count and lengths (two actor threads, a second trainer run)
 uses the same compiled programs: each compiles once per process (and, with a persistent compilation cache,
 loads from disk in the next one). A program compiles at its first use (`warmup` compiles them all up front);
@@ -321,14 +328,17 @@ class SlotSampler:
       an admission reads the smallest that holds its rows' histories and chunk.
     prefix_cache: reuse the shared prefix of new prompts (module docstring): a new episode's slot starts from
       its cache instead of prefilling it.
-    fuse_admissions: `step` writes short admissions (past the prefix, at most the smallest chunk bucket; up to
-      4 per call) in the decode chunk's first step instead of a device call of their own (module docstring).
+    fuse_admissions: `step` writes a short admission (past the prefix, at most the smallest chunk bucket; one
+      per call) in the decode chunk's first step instead of a device call of its own (module docstring). Off
+      by default: a fused program compiles ~2x slower than a plain one (tiny model: 11.4 vs 4.9 s) and doubles
+      the decode programs; SmolLM2's 76 programs took 18.5 minutes to compile and the process then ran out of
+      JIT code memory compiling the static sampler's programs beside them.
   """
 
   def __init__(self, source: SnapshotSource, *, num_slots: int, max_seq_len: int, stop_ids: Sequence[int],
                pad_id: int, chunk_buckets: Sequence[int] = (16, 32, 64), decode_steps: int = 16,
                num_windows: int = 8, num_admit_windows: int = 3, prefix_cache: bool = True,
-               fuse_admissions: bool = True):
+               fuse_admissions: bool = False):
     if num_slots < 1 or decode_steps < 1 or max_seq_len < 2:
       raise ValueError(f'SlotSampler: num_slots={num_slots}, decode_steps={decode_steps} and max_seq_len='
                        f'{max_seq_len} must be >= 1, 1 and 2.')
@@ -351,9 +361,10 @@ class SlotSampler:
     self.admit_windows = tuple(range(step, self.cache_len, step)) + (self.cache_len,)
     # Admission rows: powers of 4 up to the slot count (few programs; a partly filled admission is cheap).
     self.row_buckets = tuple(sorted({min(4 ** k, self.num_slots) for k in range(16) if 4 ** (k - 1) < self.num_slots}))
-    # Fused admissions per decode chunk (`step`): 1, or up to 4 (one more program each per decode program).
+    # Fused admissions per decode chunk (`step`): one (the others of a round get an admission call): every
+    # fused row bucket doubles the decode programs (compile time), and admissions mostly come one at a time.
     self.fuse_admissions = bool(fuse_admissions)
-    self.fused_rows = tuple(x for x in self.row_buckets if x <= 4) if self.fuse_admissions else ()
+    self.fused_rows = (1,)
     self._cache = _init_cache(self.cfg, self.num_slots, self.cache_len, per_row_index=True)
     # The shared prefix (module docstring): its tokens (at most the largest chunk bucket, so one call computes
     # it), and its cache for one weights version, recomputed when the version or the tokens change.
@@ -460,7 +471,7 @@ class SlotSampler:
                                             np.zeros((p,), bool))
     t = self.chunk_buckets[0]
     for r in self.row_buckets:
-      for p in (None, *(x for x in self.fused_rows if x <= r)):
+      for p in (None, *(x for x in self.fused_rows if x <= r and self.fuse_admissions)):
         admit = None if p is None else Fused(np.full((p,), r, np.int32), np.zeros((p, t), np.int32),
                                              np.zeros((p, t), bool), np.zeros((p,), bool), np.zeros((p,), bool),
                                              self._no_prefix)
@@ -578,8 +589,8 @@ class SlotSampler:
            refill: int | None = None) -> list[SlotTokens]:
     """Admits `admissions` and runs one decode chunk over them and the active slots (one snapshot).
 
-    With `fuse_admissions`, up to `max(fused_rows)` admissions whose chunk (past the shared prefix) fits the
-    smallest chunk bucket are written by the chunk's first step (`decode.forward_mixed`: one pass over the
+    With `fuse_admissions`, up to `max(fused_rows)` (one) admissions whose chunk (past the shared prefix) fits
+    the smallest chunk bucket are written by the chunk's first step (`decode.forward_mixed`: one pass over the
     weights for the decode step and the chunks, no device call of their own); the others are admitted first
     (`admit`). Returns a slot's tokens of the call in one `SlotTokens` (an admitted slot's first token first).
     `refill`: the chunk ends once this many more slots are inactive than after the admissions (None: it runs

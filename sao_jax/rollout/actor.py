@@ -235,6 +235,8 @@ class Actor:
       (`config.sampler.refill_rows`, see `ContinuousRunner`; None: a quarter of the slots).
     prefix_cache: continuous: new episodes start from the cache of their prompts' shared prefix
       (`config.sampler.prefix_cache`, see `SlotSampler`).
+    fuse_admissions: continuous: short admissions are written by the decode chunk's first step
+      (`config.sampler.fuse_admissions`, see `SlotSampler.step`).
     slot_sampler: an existing `SlotSampler` over `backend.sampler` to reuse.
     max_staleness: continuous batching in async mode (`config.trainer.max_staleness`): episodes in flight that
       the staleness filter would drop are ended early and counted (module docstring); None: never.
@@ -249,7 +251,8 @@ class Actor:
                publisher: WeightPublisher, limits: EpisodeLimits, decoding: SamplingParams, seed: int,
                group_size: int = 1, episodes_per_call: int = 16, weight_switch: str = 'turn',
                step_timeout_s: float | None = None, continuous: bool = False, decode_steps: int = 16,
-               refill_rows: int | None = None, prefix_cache: bool = True, slot_sampler: SlotSampler | None = None,
+               refill_rows: int | None = None, prefix_cache: bool = True, fuse_admissions: bool = False,
+               slot_sampler: SlotSampler | None = None,
                max_staleness: int | None = None, compile_ahead: bool = False, wait_for_weights: bool = True):
     if weight_switch not in WEIGHT_SWITCHES:
       raise ValueError(f'weight_switch={weight_switch!r} is not one of {WEIGHT_SWITCHES}.')
@@ -271,7 +274,8 @@ class Actor:
     if continuous:
       slots = slot_sampler or SlotSampler(backend.sampler, num_slots=self.prompts_per_call * self.group_size,
                           max_seq_len=limits.max_seq_len, stop_ids=backend.stop_ids, pad_id=backend.pad_id,
-                          decode_steps=decode_steps, prefix_cache=prefix_cache)
+                          decode_steps=decode_steps, prefix_cache=prefix_cache,
+                          fuse_admissions=fuse_admissions)
       self.runner = ContinuousRunner(slots, tokenizer, limits=limits, decoding=decoding,
                                      step_timeout_s=step_timeout_s, follower=self.backend,
                                      per_episode_weights=weight_switch == 'episode', refill_rows=refill_rows)
