@@ -54,7 +54,8 @@ class ForwardMixedTest(parameterized.TestCase):
                                         window=16)
     got = {i: decode.last_logits(weights, hidden)[i] for i in (0, 2)}
     got.update({3: decode.last_logits(weights, chunk_hidden)[0], 1: decode.last_logits(weights, chunk_hidden)[2]})
-    full = {i: _logits(model, jnp.asarray(seq)[None])[0] for i, seq in enumerate(seqs)}
+    longest = max(len(seq) for seq in seqs)  # Right padding: causal attention, the real positions are unchanged.
+    full = _logits(model, jnp.asarray([seq + [0] * (longest - len(seq)) for seq in seqs]))
     for i in range(r):
       np.testing.assert_allclose(got[i], full[i][history[i] + adds[i] - 1], atol=2e-5, rtol=1e-5, err_msg=f'row {i}')
     np.testing.assert_array_equal(cache.index, np.add(history, adds))
@@ -63,7 +64,7 @@ class ForwardMixedTest(parameterized.TestCase):
     last = np.array([seq[-1] for seq in seqs], np.int32)[:, None]
     step, _ = decode.forward(cfg, weights, cache, last, np.ones((r, 1), bool), window=16)
     for i in range(r):
-      np.testing.assert_allclose(decode.last_logits(weights, step)[i], full[i][-1], atol=2e-5, rtol=1e-5,
+      np.testing.assert_allclose(decode.last_logits(weights, step)[i], full[i][len(seqs[i]) - 1], atol=2e-5, rtol=1e-5,
                                  err_msg=f'row {i} after the step')
 
 
