@@ -31,9 +31,10 @@ own write slot and RoPE positions) and two kinds of jitted programs:
 So the number of compiled programs is fixed by the slot count: at most `len(P buckets) x len(chunk_buckets) x
 len(admit_windows)` admit programs and `len(P buckets) x len(windows)` decode programs, twice that with
 `fuse_admissions` (plain and with one fused admission); slots come and go without a recompile. The programs are
-module-level jitted functions keyed by their static settings and shapes, so every `SlotSampler` of a process with the same model, slot count and lengths (two actor threads, a second trainer run)
-uses the same compiled programs: each compiles once per process (and, with a persistent compilation cache,
-loads from disk in the next one). A program compiles at its first use (`warmup` compiles them all up front);
+module-level jitted functions keyed by their static settings and shapes, so every `SlotSampler` of a process
+with the same model, slot count and lengths (two actor threads, a second trainer run) uses the same compiled
+programs: each compiles once per process (and, with a persistent compilation cache, loads from disk in the next
+one). A program compiles at its first use (`warmup` compiles them all up front);
 `num_compiled` counts the programs an instance has used, `compiled_programs` those of the process.
 
 **Shared prefix.** New prompts usually begin with the same tokens (a chat template's system prompt and the user
