@@ -87,17 +87,8 @@ def _admit_impl(st: StaticSettings, weights: DecodeWeights, cache: DecodeCache, 
   """Writes right-padded chunks [P, T] (`lengths` real tokens each) into cache rows `rows` [P] (rows >= B are
   padding: nothing is written back) and samples each row's next token. `reset` rows start empty, or, where
   `from_prefix`, holding the shared prefix (`prefix`: one row of C slots, `_prefix_impl`'s) in slots [0, C)."""
-  take = lambda x: jnp.take(x, rows, axis=0, mode='clip')
-  c = prefix.max_len
-  seeded = lambda x, px, axis: jax.lax.dynamic_update_slice_in_dim(  # Slots [0, C) from the prefix's row.
-      x, jnp.where(from_prefix.reshape((-1,) + (1,) * (x.ndim - 1)), px, jax.lax.slice_in_dim(x, 0, c, axis=axis)),
-      0, axis=axis)
-  valid_rows = jnp.where(reset[:, None], False, take(cache.valid))
-  sub = DecodeCache(k=tuple(seeded(take(x), px, 3) for x, px in zip(cache.k, prefix.k)),
-                    v=tuple(seeded(take(x), px, 2) for x, px in zip(cache.v, prefix.v)),
-                    valid=seeded(valid_rows, prefix.valid, 1),
-                    index=jnp.where(reset, jnp.where(from_prefix, prefix.index[0], 0), take(cache.index)),
-                    positions=jnp.where(reset, jnp.where(from_prefix, prefix.positions[0], 0), take(cache.positions)))
+  sub = _start_rows(jax.tree.map(lambda x: jnp.take(x, rows, axis=0, mode='clip'), cache), reset, from_prefix,
+                    prefix)
   hidden, new = forward(st.cfg, weights, sub, chunk, valid, window=st.window, all_positions=True)  # [P, T, D]
   last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]  # [P, D]
   # The padding after the real tokens is overwritten by the row's next write.
@@ -108,6 +99,20 @@ def _admit_impl(st: StaticSettings, weights: DecodeWeights, cache: DecodeCache, 
                       valid=put(cache.valid, new.valid), index=put(cache.index, new.index),
                       positions=put(cache.positions, new.positions))
   return cache, tok, lp, slp
+
+
+def _start_rows(rows: DecodeCache, reset: Array, from_prefix: Array, prefix: DecodeCache) -> DecodeCache:
+  """Gathered cache rows [P] of which the `reset` ones start a new episode: empty, or, where `from_prefix`,
+  holding the shared prefix (`prefix`: one row of C slots) in slots [0, C)."""
+  c = prefix.max_len
+  seeded = lambda x, px, axis: jax.lax.dynamic_update_slice_in_dim(  # Slots [0, C) from the prefix's row.
+      x, jnp.where(from_prefix.reshape((-1,) + (1,) * (x.ndim - 1)), px, jax.lax.slice_in_dim(x, 0, c, axis=axis)),
+      0, axis=axis)
+  return DecodeCache(k=tuple(seeded(x, px, 3) for x, px in zip(rows.k, prefix.k)),
+                     v=tuple(seeded(x, px, 2) for x, px in zip(rows.v, prefix.v)),
+                     valid=seeded(jnp.where(reset[:, None], False, rows.valid), prefix.valid, 1),
+                     index=jnp.where(reset, jnp.where(from_prefix, prefix.index[0], 0), rows.index),
+                     positions=jnp.where(reset, jnp.where(from_prefix, prefix.positions[0], 0), rows.positions))
 
 
 def _prefix_impl(cfg: ModelConfig, weights: DecodeWeights, tokens: Array, valid: Array) -> DecodeCache:
@@ -217,21 +222,10 @@ def _fused_first_step(st: StaticSettings, weights: DecodeWeights, seeds: Array, 
   r = last.shape[0]
   put = lambda x, y: x.at[admit.rows].set(y, mode='drop')
   rows_of = lambda x: jnp.take(x, admit.rows, axis=0, mode='clip')
-  reset = put(jnp.zeros((r,), bool), admit.reset)
-  # A new episode's row starts empty, or with the shared prefix in slots [0, C) (copied into its window).
-  seed_rows = jnp.where(admit.from_prefix, admit.rows, r)  # Only the rows that start from the prefix.
-  p = admit.rows.shape[0]
-  copy = lambda x, px, axis: x.at[seed_rows].set(jax.lax.dynamic_update_slice_in_dim(
-      rows_of(x), jnp.broadcast_to(px, (p,) + px.shape[1:]).astype(x.dtype), 0, axis), mode='drop')
-  small = DecodeCache(
-      k=tuple(copy(x, px, 3) for x, px in zip(small.k, admit.prefix.k)),
-      v=tuple(copy(x, px, 2) for x, px in zip(small.v, admit.prefix.v)),
-      valid=copy(small.valid, admit.prefix.valid, 1),
-      index=jnp.where(reset, put(jnp.zeros((r,), jnp.int32),
-                                 jnp.where(admit.from_prefix, admit.prefix.index[0], 0)), small.index),
-      positions=jnp.where(reset, put(jnp.zeros((r,), jnp.int32),
-                                     jnp.where(admit.from_prefix, admit.prefix.positions[0], 0)), small.positions))
-  start = jnp.where(reset, 0, small.index)
+  # A new episode's row starts empty, or with the shared prefix in slots [0, C) (in its window).
+  started = _start_rows(jax.tree.map(rows_of, small), admit.reset, admit.from_prefix, admit.prefix)
+  start = jnp.where(put(jnp.zeros((r,), bool), admit.reset), 0, small.index)
+  small = jax.tree.map(put, small, started)
   hidden, chunk_hidden, small = forward_mixed(st.cfg, weights, small, last, active, admit.rows, admit.chunk,
                                               admit.valid, window=st.window)
   logits = last_logits(weights, jnp.concatenate([hidden, chunk_hidden], axis=1))  # [R + P, V]
