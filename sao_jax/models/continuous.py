@@ -25,12 +25,14 @@ own write slot and RoPE positions) and two kinds of jitted programs:
   prefix) into its row and samples its first token (`decode.forward_mixed`: the decode tokens and the chunk go
   through the projections and MLPs as one block, each part through its own attention). On a CPU an admission
   call costs about a decode step (both read all the weights; SmolLM2: ~100 ms); fused, it costs the chunk's
-  extra FLOPs. One admission per chunk is fused (each fused row bucket is one more program per decode program);
-  the others of a round, and longer chunks, get an admit call first.
+  extra FLOPs. One admission per chunk is fused; the others of a round, and longer chunks, get an admit call
+  first. Every decode program of a fusing sampler carries its admission (a padding one, which writes nothing,
+  when none is waiting): one program per (rows, window) either way, and a chunk without a newcomer pays the
+  padding chunk's FLOPs in its first step (cheap next to the weight reads of the chunk's steps).
 
 So the number of compiled programs is fixed by the slot count: at most `len(P buckets) x len(chunk_buckets) x
-len(admit_windows)` admit programs and `len(P buckets) x len(windows)` decode programs, twice that with
-`fuse_admissions` (plain and with one fused admission); slots come and go without a recompile. The programs are
+len(admit_windows)` admit programs and `len(P buckets) x len(windows)` decode programs (with
+`fuse_admissions`, each with its fused admission); slots come and go without a recompile. The programs are
 module-level jitted functions keyed by their static settings and shapes, so every `SlotSampler` of a process
 with the same model, slot count and lengths (two actor threads, a second trainer run) uses the same compiled
 programs: each compiles once per process (and, with a persistent compilation cache, loads from disk in the next
@@ -356,8 +358,8 @@ class SlotSampler:
     self.admit_windows = tuple(range(step, self.cache_len, step)) + (self.cache_len,)
     # Admission rows: powers of 4 up to the slot count (few programs; a partly filled admission is cheap).
     self.row_buckets = tuple(sorted({min(4 ** k, self.num_slots) for k in range(16) if 4 ** (k - 1) < self.num_slots}))
-    # Fused admissions per decode chunk (`step`): one (the others of a round get an admission call): every
-    # fused row bucket doubles the decode programs (compile time), and admissions mostly come one at a time.
+    # Fused admissions per decode chunk (`step`): one (the others of a round get an admission call): a fused
+    # program compiles ~2x slower than a plain one, and admissions mostly come one at a time.
     self.fuse_admissions = bool(fuse_admissions)
     self.fused_rows = (1,)
     self._cache = _init_cache(self.cfg, self.num_slots, self.cache_len, per_row_index=True)
@@ -466,7 +468,7 @@ class SlotSampler:
                                             np.zeros((p,), bool))
     t = self.chunk_buckets[0]
     for r in self.row_buckets:
-      for p in (None, *(x for x in self.fused_rows if x <= r and self.fuse_admissions)):
+      for p in self.fused_rows if self.fuse_admissions else (None,):
         admit = None if p is None else Fused(np.full((p,), r, np.int32), np.zeros((p, t), np.int32),
                                              np.zeros((p, t), bool), np.zeros((p,), bool), np.zeros((p,), bool),
                                              self._no_prefix)
@@ -631,7 +633,7 @@ class SlotSampler:
     lengths_in = self.lengths.copy()
     seeds, budgets = self.seeds.copy(), self.budgets.copy()
     admit = None
-    if fused:
+    if self.fuse_admissions:  # Every decode program of a fusing sampler has its admission (padding when none).
       t, p = self.chunk_buckets[0], next(x for x in self.fused_rows if len(fused) <= x)
       pos = {int(s): j for j, s in enumerate(idx)}
       f_rows = np.full((p,), r, np.int32)
