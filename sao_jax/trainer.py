@@ -96,10 +96,15 @@ def _flat(config: Any) -> dict[str, Any]:
 
 def config_differences(saved: dict[str, Any], config: Any) -> list[str]:
   """Fields (dotted paths) whose value differs between a saved flat config and `config`, minus the
-  fields a resume may change (`RESUMABLE_CHANGES`)."""
-  now = _flat(config)
+  fields a resume may change (`RESUMABLE_CHANGES`) and the knobs added since the checkpoint was written
+  that are at their `configs/base.py` default (a new knob's default keeps the behaviour from before it:
+  the rule for every knob added to `configs/base.py`)."""
+  from configs import base  # pylint: disable=g-import-not-at-top  (the repository's configs, as main loads)
+  now, defaults = _flat(config), _flat(base.get_config())
   keys = sorted(set(saved) | set(now))
-  return [k for k in keys if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k)]
+  added_at_default = lambda k: k not in saved and k in defaults and now.get(k) == defaults[k]
+  return [k for k in keys
+          if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k) and not added_at_default(k)]
 
 
 def _optimizer_item(state: steps_lib.LearnerState) -> dict[str, Any]:

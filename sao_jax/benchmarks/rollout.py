@@ -146,7 +146,9 @@ def main(argv):
                              pad_id=tok.pad_id, decode_steps=_DECODE_STEPS.value, prefix_cache=_PREFIX_CACHE.value,
                              fuse_admissions=any(fuses))
   t0 = time.perf_counter()
-  slot_sampler.warmup(decoding)
+  for fuse in fuses:  # A fusing sampler's decode programs carry an admission: the two settings compile their own.
+    slot_sampler.fuse_admissions = fuse
+    slot_sampler.warmup(decoding)
   print(f'# model {name}; {n} episodes, {slots_n} slots; continuous warm-up (compile) {time.perf_counter() - t0:.1f}s, '
         f'programs {slot_sampler.num_compiled()}; load average {_load_average()}')
   seeds = [rollout.episode_seed(_SEED.value, i, 0) for i in range(n)]
