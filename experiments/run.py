@@ -41,7 +41,8 @@ _RESULTS = flags.DEFINE_string('results', os.path.join(runner.ROOT, 'experiments
 _REPORT_ONLY = flags.DEFINE_bool('report_only', False, 'Only rewrite the report from the runs present.')
 _RESTORE = flags.DEFINE_bool('restore', True, "First rebuild the committed report's finished runs missing from "
                              '--runs (so they stay in the report and are not rerun).')
-_TIMEOUT = flags.DEFINE_float('timeout_s', 0.0, 'Kill a run after this many seconds (0 = no limit).')
+_TIMEOUT = flags.DEFINE_float('timeout_s', 0.0, 'Stop a run after this many seconds (0 = no limit) and go '
+                               'on with the next: the next call resumes it from its last checkpoint.')
 
 
 def main(argv: Sequence[str]) -> None:

@@ -69,8 +69,9 @@ def validate(names: Sequence[str], *, quick: bool = False) -> None:
 
 
 def run_one(exp: specs.Experiment, arm: specs.Arm, seed: int, *, runs: str, quick: bool,
-            timeout_s: float = 0.0) -> dict[str, Any]:
-  """Runs (or resumes) one arm x seed; returns its done record (also written to `done.json`)."""
+            timeout_s: float = 0.0) -> dict[str, Any] | None:
+  """Runs (or resumes) one arm x seed; returns its done record (also written to `done.json`), or None when
+  `timeout_s` ran out first (the run is killed; the next call resumes it from its last checkpoint)."""
   workdir = os.path.join(runs, exp.name, arm.name, f'seed{seed}')
   done_path = os.path.join(workdir, report.DONE_FILE)
   if os.path.exists(done_path):
@@ -85,8 +86,13 @@ def run_one(exp: specs.Experiment, arm: specs.Arm, seed: int, *, runs: str, quic
     env['JAX_NUM_CPU_DEVICES'] = str(exp.cpu_devices)
   t0 = time.perf_counter()
   with open(os.path.join(workdir, 'log.txt'), 'ab') as log:
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=False,
-                          timeout=timeout_s or None)
+    try:
+      proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=False,
+                            timeout=timeout_s or None)
+    except subprocess.TimeoutExpired:
+      logging.warning('%s / %s / seed %d: stopped after --timeout_s=%g s; it resumes from its last checkpoint '
+                      'on the next call.', exp.name, arm.name, seed, timeout_s)
+      return None
   if proc.returncode != 0:
     with open(os.path.join(workdir, 'log.txt'), encoding='utf-8', errors='replace') as f:
       tail = f.read()[-3000:]
@@ -118,7 +124,7 @@ def run_experiment(name: str, *, arms: Sequence[str] = (), seeds: Sequence[int] 
   if not report_only:
     for i, (arm, seed) in enumerate((a, s) for s in seeds for a in chosen):  # Seed-major: arms interleave.
       logging.info('Run %d of %d.', i + 1, len(chosen) * len(seeds))
-      run_one(exp, arm, seed, runs=runs, quick=quick, timeout_s=timeout_s)
+      run_one(exp, arm, seed, runs=runs, quick=quick, timeout_s=timeout_s)  # None: stopped, goes on.
       report.write(exp, os.path.join(runs, name), out)
   report.write(exp, os.path.join(runs, name), out)
   return out

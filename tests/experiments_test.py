@@ -131,6 +131,15 @@ class ReportTest(absltest.TestCase):
 
 class QuickRunTest(absltest.TestCase):
 
+  def test_a_run_past_its_timeout_is_stopped_and_the_next_goes_on(self):
+    runs = tempfile.mkdtemp()
+    exp = specs.EXPERIMENTS['ablations']
+    got = run_lib.run_one(exp, exp.arm('sao'), 0, runs=runs, quick=True, timeout_s=0.01)
+    self.assertIsNone(got)  # Killed while starting; not marked done, so the next call runs it again.
+    workdir = os.path.join(runs, 'ablations', 'sao', 'seed0')
+    self.assertTrue(os.path.exists(os.path.join(workdir, 'log.txt')))
+    self.assertFalse(os.path.exists(os.path.join(workdir, report.DONE_FILE)))
+
   def test_quick_run_writes_the_report_and_does_not_rerun(self):
     runs = tempfile.mkdtemp()
     env = trainer_helpers.subprocess_env(devices=1)
