@@ -70,6 +70,13 @@ from sao_jax.rollout import actor as actor_lib
 from sao_jax.rollout import trajectory_queue
 from sao_jax.tokenizers import get_tokenizer
 
+# Running totals of a run's metrics rows (row key -> counter): a resumed run carries them on from its last
+# kept row, as it does `time/wall_s`.
+CARRIED_TOTALS = {'trajectories': 'trajectories', 'dropped/stale': 'dropped_stale',
+                  'dropped/stale_in_flight': 'dropped_stale_in_flight', 'dropped/equal_reward': 'dropped_equal_reward',
+                  'dropped/pack': 'dropped_pack', 'failed/env_error': 'env_error',
+                  'failed/env_timeout': 'env_timeout'}
+
 # Config fields that may differ between a run and the checkpoint it resumes from.
 RESUMABLE_CHANGES = ('workdir', 'trainer.num_steps', 'trainer.allow_config_change', 'trainer.log_every',
                      'trainer.eval_every', 'trainer.checkpoint_every', 'trainer.export_hf',
@@ -449,17 +456,19 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
                                      wandb_project=str(tr.wandb_project), config=_flat(config))
   progress = metrics_lib.Progress(int(tr.num_steps), start_step=start)
   # `time/wall_s` of a row: seconds since the run began, summed over a resumed run's earlier processes (the last
-  # kept row's value carries on), so curves can be drawn against wall time across a kill and resume.
-  wall_before = next((r['time/wall_s'] for r in reversed(metrics_lib.read_metrics(config.workdir))
-                      if 'time/wall_s' in r), 0.0) if start else 0.0
+  # kept row's value carries on), so curves can be drawn against wall time across a kill and resume; so do the
+  # run's running totals (`CARRIED_TOTALS`: trajectories trained, dropped, failed).
+  kept_rows = metrics_lib.read_metrics(config.workdir) if start else []
+  carried = lambda key: next((r[key] for r in reversed(kept_rows) if r.get(key) is not None), 0)
+  wall_before = float(carried('time/wall_s'))
 
   def wall_s() -> float:
     return wall_before + time.perf_counter() - t_start
 
   rows = int(tr.batch_size) // jax.process_count()  # This process's rows of each global batch.
-  counts = {'dropped_stale': 0, 'dropped_stale_in_flight': 0, 'dropped_equal_reward': 0, 'dropped_pack': 0,
-            'env_error': 0, 'env_timeout': 0}
-  trajectories_trained = 0
+  counts = {kind: int(carried(key)) for key, kind in CARRIED_TOTALS.items()}
+  in_flight_seen = 0  # Of this process's actors (their counter starts at 0 here).
+  trajectories_trained = counts.pop('trajectories')
   first_eval = None
   last_eval = None
   step = start
@@ -472,6 +481,7 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
     def draw(version: int) -> tuple[rollout.Packed, list[int], float, collections.Counter[str], dict[str, float]]:
       """`rows` trajectories that pass the staleness filter (for a step at `version`), packed; with their
       staleness, the time waited for them, what was dropped, and their episodes' mean timing."""
+      nonlocal in_flight_seen
       trajs: list = []
       staleness: list[int] = []
       wait_s = 0.0
@@ -487,8 +497,9 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
           wait_s += got_draw.wait_s
           counts['dropped_stale'] += got_draw.dropped_stale
           ended = sum(a.dropped_stale for a in actors())  # Ended in flight, bound to be stale (continuous).
-          counts['dropped_stale'] += ended - counts['dropped_stale_in_flight']
-          counts['dropped_stale_in_flight'] = ended
+          counts['dropped_stale'] += ended - in_flight_seen
+          counts['dropped_stale_in_flight'] += ended - in_flight_seen
+          in_flight_seen = ended
           counts['dropped_equal_reward'] += got_draw.dropped_equal_reward
           got = got_draw.trajectories
           check_actors()

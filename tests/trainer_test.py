@@ -56,18 +56,23 @@ class TrainerTest(absltest.TestCase):
     self.assertEqual(data['prompts']['taken'], 16)
 
     # Resume to step 3: the same command with more steps continues at step 2 with the next prompts.
-    # Its rows' wall time goes on from the last kept row's (set far ahead here, so carrying it is what we see).
+    # Its rows' wall time goes on from the last kept row's (set far ahead here, so carrying it is what we see),
+    # and so do the run's totals (trajectories trained; dropped: set ahead too).
     path = os.path.join(workdir, metrics.METRICS_FILE)
     lines = [json.loads(line) for line in open(path, encoding='utf-8')]
     self.assertLess(lines[0]['time/wall_s'], lines[1]['time/wall_s'])
     lines[1]['time/wall_s'] = 1e6
+    lines[1]['dropped/pack'] = 1000
     with open(path, 'w', encoding='utf-8') as f:
       f.writelines(json.dumps(r) + '\n' for r in lines)
     summary = trainer.run(tiny_config(workdir, mode='sync', num_steps=3))
     self.assertEqual(summary['steps'], 3)
+    self.assertEqual(summary['trajectories'], 24)
     rows = metrics.read_metrics(workdir)
     self.assertEqual([r['step'] for r in rows], [1, 2, 3])
     self.assertBetween(rows[2]['time/wall_s'], 1e6, 1e6 + summary['wall_s'])
+    self.assertEqual([r['trajectories'] for r in rows], [8, 16, 24])
+    self.assertEqual(rows[2]['dropped/pack'], 1000)
     with checkpoint_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), keep=None) as ckpt:
       self.assertEqual(ckpt.restore(3, items=('data',)).data['prompts']['taken'], 24)
 
