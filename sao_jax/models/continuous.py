@@ -362,7 +362,7 @@ class SlotSampler:
     # program compiles ~2x slower than a plain one, and admissions mostly come one at a time.
     self.fuse_admissions = bool(fuse_admissions)
     self.fused_rows = (1,)
-    self._cache = _init_cache(self.cfg, self.num_slots, self.cache_len, per_row_index=True)
+    self._cache = self._placed(_init_cache(self.cfg, self.num_slots, self.cache_len, per_row_index=True))
     # The shared prefix (module docstring): its tokens (at most the largest chunk bucket, so one call computes
     # it), and its cache for one weights version, recomputed when the version or the tokens change.
     self.prefix_cache = bool(prefix_cache)
@@ -371,7 +371,7 @@ class SlotSampler:
     self._prefix_state = 'unknown' if self.prefix_cache else 'off'  # 'unknown' until two distinct prompts.
     self._first_prompt: tuple[int, ...] | None = None
     self._prefix_kv: tuple[tuple[weakref.ref, tuple[int, ...]], DecodeCache] | None = None
-    self._no_prefix = _init_cache(self.cfg, 1, self.prefix_slots, per_row_index=True)
+    self._no_prefix = self._placed(_init_cache(self.cfg, 1, self.prefix_slots, per_row_index=True))
     # (kind, static settings, row bucket, chunk bucket or decode steps) of every program this instance has run.
     self._used: set[tuple] = set()
     b = self.num_slots
@@ -384,7 +384,19 @@ class SlotSampler:
     self.budgets = np.zeros((b,), np.int32)
     self.seeds = np.zeros((b,), np.uint32)
 
-  # ---- Introspection.
+  def _placed(self, tree):
+    """`tree` on the weights' device when they are committed to one (an actor's own device, loaded weights).
+
+    A compiled program is keyed by its arguments' placement too: the cache and the empty prefix, made by a
+    program without inputs, are uncommitted, while a program's outputs from committed weights (the cache after
+    a call, the shared prefix's cache) are committed; left so, every program compiled a second time at its first
+    call with the shared prefix (SmolLM2: ~50 programs, twice the warm-up, and the JIT's code memory ran out).
+    Weights spread over several devices are left to XLA's placement."""
+    leaf = jax.tree.leaves(self.source.snapshot.weights)[0]
+    if getattr(leaf, 'committed', False) and len(leaf.sharding.device_set) == 1:
+      return jax.device_put(tree, leaf.sharding)
+    return tree
+
 
   def num_compiled(self) -> dict[str, int]:
     """Distinct programs (static settings and shapes) this instance has run, per kind: what it compiled, or

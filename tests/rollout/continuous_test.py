@@ -287,6 +287,32 @@ class ContinuousTest(absltest.TestCase):
       self.assertEqual(plain_seqs, seqs)
       np.testing.assert_allclose(np.concatenate(plain_lps), np.concatenate(lps), atol=1e-5)
 
+  def test_weights_committed_to_a_device_compile_nothing_after_the_warm_up(self):
+    """Weights placed on a device (an actor's own, loaded weights) are committed, and so are the programs'
+    outputs from them (the cache after a call, the shared prefix's cache); a program is keyed by its arguments'
+    placement too. After the warm-up, admissions from the shared prefix (fused, and by an admit call) and decode
+    chunks compile nothing: the process's jit caches, not the sampler's own count, are what is compared."""
+    model = helpers.small_model(self.tok.vocab_size, seed=3)
+    nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
+    sampler = rollout.SamplerBackend(model, stop_ids=(), pad_id=self.tok.pad_id, max_total_len=128).sampler
+    self.assertTrue(jax.tree.leaves(sampler.snapshot.weights)[0].committed)
+    slots = SlotSampler(sampler, num_slots=2, max_seq_len=128, stop_ids=(), pad_id=self.tok.pad_id,
+                        chunk_buckets=(16,), decode_steps=4, num_windows=1, num_admit_windows=1,
+                        fuse_admissions=True)
+    slots.warmup(_GREEDY)
+    before = continuous_lib.compiled_programs()
+    head = [3 + (7 * i) % 40 for i in range(12)]
+    got = []
+    for j, rest in enumerate(([50, 51], [52], list(range(60, 80)))):  # The last one's rest needs an admit call.
+      slot = j % 2
+      slots.release(slot)
+      got += slots.step([Admission(slot, head + rest, new=True, budget=5, seed=j)], _GREEDY)
+      while slots.active.any():
+        got += slots.decode(_GREEDY)
+    self.assertEqual(slots.prefix, tuple(head))
+    self.assertLen([x for r in got for x in r.ids], 15)
+    self.assertEqual(continuous_lib.compiled_programs(), before)
+
   def test_a_weight_swap_mid_run_is_recorded_per_token(self):
     other = helpers.small_model(self.tok.vocab_size, seed=9)
     self.addCleanup(self.backend.update_weights, self.model, version=4)
