@@ -326,10 +326,10 @@ class SlotSampler:
     prefix_cache: reuse the shared prefix of new prompts (module docstring): a new episode's slot starts from
       its cache instead of prefilling it.
     fuse_admissions: `step` writes a short admission (past the prefix, at most the smallest chunk bucket; one
-      per call) in the decode chunk's first step instead of a device call of its own (module docstring). Off
-      by default: a fused program compiles ~2x slower than a plain one (tiny model: 11.4 vs 4.9 s) and doubles
-      the decode programs; SmolLM2's 76 programs took 18.5 minutes to compile and the process then ran out of
-      JIT code memory compiling the static sampler's programs beside them.
+      per call) in the decode chunk's first step instead of a device call of its own (module docstring); every
+      decode program then carries one (padding when none waits). Off by default: a fused program compiles
+      ~2x slower than a plain one (tiny model: 11.4 vs 4.9 s; SmolLM2's warm-up: 968 s vs 265 s for the 52
+      programs), and its SmolLM2 multi-turn speed is not measured yet (README, Benchmarks).
   """
 
   def __init__(self, source: SnapshotSource, *, num_slots: int, max_seq_len: int, stop_ids: Sequence[int],
