@@ -20,6 +20,7 @@ import jax
 from experiments import report
 from experiments import specs
 from sao_jax import config_lib
+from sao_jax import metrics as metrics_lib
 from sao_jax import parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,14 +72,16 @@ def validate(names: Sequence[str], *, quick: bool = False) -> None:
 def run_one(exp: specs.Experiment, arm: specs.Arm, seed: int, *, runs: str, quick: bool,
             timeout_s: float = 0.0) -> dict[str, Any] | None:
   """Runs (or resumes) one arm x seed; returns its done record (also written to `done.json`), or None when
-  `timeout_s` ran out first (the run is killed; the next call resumes it from its last checkpoint)."""
+  `timeout_s` ran out first or the run exited before its last step (a signal): it is not done, and the next
+  call resumes it from its last checkpoint."""
   workdir = os.path.join(runs, exp.name, arm.name, f'seed{seed}')
   done_path = os.path.join(workdir, report.DONE_FILE)
   if os.path.exists(done_path):
     with open(done_path, encoding='utf-8') as f:
       return json.load(f)
   os.makedirs(workdir, exist_ok=True)
-  cmd = command(exp, run_overrides(exp, arm, seed, quick=quick), workdir)
+  overrides = run_overrides(exp, arm, seed, quick=quick)
+  cmd = command(exp, overrides, workdir)
   logging.info('%s / %s / seed %d: %s', exp.name, arm.name, seed, ' '.join(cmd))
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(runs, 'compile_cache'),
              PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get('PYTHONPATH', '')) if p))
@@ -98,6 +101,13 @@ def run_one(exp: specs.Experiment, arm: specs.Arm, seed: int, *, runs: str, quic
       tail = f.read()[-3000:]
     raise RuntimeError(f'{exp.name} / {arm.name} / seed {seed} failed (exit {proc.returncode}); the log '
                        f'({workdir}/log.txt) ends with:\n{tail}')
+  # SIGTERM / SIGINT end a run early with exit 0 (after a checkpoint): done only once it reached its last step.
+  num_steps = int(load_config(exp, overrides).trainer.num_steps)
+  last = max((int(r['step']) for r in metrics_lib.read_metrics(workdir)), default=0)
+  if last < num_steps:
+    logging.warning('%s / %s / seed %d: exited at step %d of %d (stopped by a signal?); it resumes from its last '
+                    'checkpoint on the next call.', exp.name, arm.name, seed, last, num_steps)
+    return None
   record = {'experiment': exp.name, 'arm': arm.name, 'seed': seed, 'command': cmd,
             'process_wall_s': time.perf_counter() - t0, 'load_avg': os.getloadavg()[0]}
   with open(done_path, 'w', encoding='utf-8') as f:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 from absl.testing import absltest
 
@@ -139,6 +140,22 @@ class QuickRunTest(absltest.TestCase):
     workdir = os.path.join(runs, 'ablations', 'sao', 'seed0')
     self.assertTrue(os.path.exists(os.path.join(workdir, 'log.txt')))
     self.assertFalse(os.path.exists(os.path.join(workdir, report.DONE_FILE)))
+
+  def test_a_run_that_exits_before_its_last_step_is_not_done(self):
+    """SIGTERM makes a run checkpoint and exit 0: the runner must not take that for the end."""
+    runs = tempfile.mkdtemp()
+    exp = specs.EXPERIMENTS['ablations']
+    workdir = os.path.join(runs, 'ablations', 'sao', 'seed0')
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, metrics.METRICS_FILE), 'w', encoding='utf-8') as f:
+      f.write(json.dumps({'step': 1}) + '\n')  # Quick runs take 2 steps.
+    with mock.patch.object(subprocess, 'run', return_value=subprocess.CompletedProcess([], 0)):
+      self.assertIsNone(run_lib.run_one(exp, exp.arm('sao'), 0, runs=runs, quick=True))
+      self.assertFalse(os.path.exists(os.path.join(workdir, report.DONE_FILE)))
+      with open(os.path.join(workdir, metrics.METRICS_FILE), 'a', encoding='utf-8') as f:
+        f.write(json.dumps({'step': 2}) + '\n')
+      self.assertEqual(run_lib.run_one(exp, exp.arm('sao'), 0, runs=runs, quick=True)['arm'], 'sao')
+    self.assertTrue(os.path.exists(os.path.join(workdir, report.DONE_FILE)))
 
   def test_quick_run_writes_the_report_and_does_not_rerun(self):
     runs = tempfile.mkdtemp()
