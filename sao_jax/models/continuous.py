@@ -397,6 +397,7 @@ class SlotSampler:
       return jax.device_put(tree, leaf.sharding)
     return tree
 
+  # ---- Introspection.
 
   def num_compiled(self) -> dict[str, int]:
     """Distinct programs (static settings and shapes) this instance has run, per kind: what it compiled, or
