@@ -393,9 +393,12 @@ class SlotSampler:
     call with the shared prefix (SmolLM2: ~50 programs, twice the warm-up, and the JIT's code memory ran out).
     Weights spread over several devices are left to XLA's placement."""
     leaf = jax.tree.leaves(self.source.snapshot.weights)[0]
-    if getattr(leaf, 'committed', False) and len(leaf.sharding.device_set) == 1:
-      return jax.device_put(tree, leaf.sharding)
-    return tree
+    if not getattr(leaf, 'committed', False) or len(leaf.sharding.device_set) != 1:
+      return tree
+    sharding = leaf.sharding  # A weight's own spec may not fit the cache's ranks: replicated on its mesh.
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.device_put(tree, sharding)
 
   # ---- Introspection.
 
