@@ -389,6 +389,12 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
   limits = rollout.EpisodeLimits.from_config(config)
   decoding = SamplingParams.from_config(config.sampler)
   episodes_per_call = max(group_size, int(config.sampler.batch_size) // group_size * group_size)
+  # The slot cache's keys and values: kv heads split over the actors' devices as the weights' are (a cache
+  # placed explicitly keeps every slot program at one compile, `SlotSampler`'s `cache_sharding`).
+  actors_mesh = mesh if actor_mesh is None else actor_mesh
+  cache_sharding = jax.sharding.NamedSharding(actors_mesh, parallel.logical_to_spec(
+      (None, 'kv_heads'), (episodes_per_call, model_config.num_kv_heads), actors_mesh, config.mesh.rules,
+      name="the actors' slot cache"))
 
   def make_actor() -> actor_lib.Actor:
     model, version = publisher.latest()
@@ -402,6 +408,7 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
                            refill_rows=int(config.sampler.refill_rows) or None,
                            prefix_cache=bool(config.sampler.prefix_cache),
                            fuse_admissions=bool(config.sampler.fuse_admissions),
+                           cache_sharding=cache_sharding,
                            compile_ahead=bool(config.sampler.compile_ahead),
                            # Async: episodes bound to come back too stale end in flight (counted), and newer
                            # weights are taken once their update has run (the actors never wait for it).

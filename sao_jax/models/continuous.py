@@ -73,6 +73,7 @@ from typing import Protocol, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from sao_jax.models import sampling
 from sao_jax.models.config import ModelConfig
@@ -84,8 +85,43 @@ Array = jax.Array
 MIN_PREFIX = 8  # Tokens: a shorter shared prefix is not worth a cache of its own.
 
 
-def _admit_impl(st: StaticSettings, weights: DecodeWeights, cache: DecodeCache, rows: Array, chunk: Array, valid: Array,
-                lengths: Array, reset: Array, seeds: Array, prefix: DecodeCache, from_prefix: Array):
+@dataclasses.dataclass(frozen=True)
+class CachePlacement:
+  """Where a slot cache lives: its keys and values (`[rows, kv_heads, ...]`) on `kv`, the rest (`valid`, `index`,
+  `positions`) on `rest`.
+
+  A compiled program is keyed by its arguments' placement too, and a program's output placement is XLA's
+  choice unless it is fixed: every program that returns a cache constrains it to the sampler's placement (and
+  the sampler puts its fresh caches there), so each call's cache arrives where the last one's left it, and
+  each program compiles once (`SlotSampler`'s `cache_sharding`)."""
+  kv: jax.sharding.Sharding
+  rest: jax.sharding.Sharding
+
+  @classmethod
+  def of(cls, kv: jax.sharding.Sharding) -> CachePlacement:
+    rest = jax.sharding.NamedSharding(kv.mesh, PartitionSpec()) if isinstance(kv, jax.sharding.NamedSharding) else kv
+    return cls(kv, rest)
+
+  def _apply(self, fn, cache: DecodeCache) -> DecodeCache:
+    return DecodeCache(k=tuple(fn(x, self.kv) for x in cache.k), v=tuple(fn(x, self.kv) for x in cache.v),
+                       valid=fn(cache.valid, self.rest), index=fn(cache.index, self.rest),
+                       positions=fn(cache.positions, self.rest))
+
+  def constrain(self, cache: DecodeCache) -> DecodeCache:
+    """Inside a program: its output cache placed here."""
+    return self._apply(jax.lax.with_sharding_constraint, cache)
+
+  def put(self, cache: DecodeCache) -> DecodeCache:
+    return self._apply(jax.device_put, cache)
+
+
+def _constrained(place: CachePlacement | None, cache: DecodeCache) -> DecodeCache:
+  return cache if place is None else place.constrain(cache)
+
+
+def _admit_impl(st: StaticSettings, place: CachePlacement | None, weights: DecodeWeights, cache: DecodeCache,
+                rows: Array, chunk: Array, valid: Array, lengths: Array, reset: Array, seeds: Array,
+                prefix: DecodeCache, from_prefix: Array):
   """Writes right-padded chunks [P, T] (`lengths` real tokens each) into cache rows `rows` [P] (rows >= B are
   padding: nothing is written back) and samples each row's next token. `reset` rows start empty, or, where
   `from_prefix`, holding the shared prefix (`prefix`: one row of C slots, `_prefix_impl`'s) in slots [0, C)."""
@@ -100,7 +136,7 @@ def _admit_impl(st: StaticSettings, weights: DecodeWeights, cache: DecodeCache, 
   cache = DecodeCache(k=tuple(map(put, cache.k, new.k)), v=tuple(map(put, cache.v, new.v)),
                       valid=put(cache.valid, new.valid), index=put(cache.index, new.index),
                       positions=put(cache.positions, new.positions))
-  return cache, tok, lp, slp
+  return _constrained(place, cache), tok, lp, slp
 
 
 def _start_rows(rows: DecodeCache, reset: Array, from_prefix: Array, prefix: DecodeCache) -> DecodeCache:
@@ -117,17 +153,18 @@ def _start_rows(rows: DecodeCache, reset: Array, from_prefix: Array, prefix: Dec
                      positions=jnp.where(reset, jnp.where(from_prefix, prefix.positions[0], 0), rows.positions))
 
 
-def _prefix_impl(cfg: ModelConfig, weights: DecodeWeights, tokens: Array, valid: Array) -> DecodeCache:
+def _prefix_impl(cfg: ModelConfig, place: CachePlacement | None, weights: DecodeWeights, tokens: Array,
+                 valid: Array) -> DecodeCache:
   """The shared prefix's cache: one row of C slots holding `tokens` [1, C] (right-padded; `valid` marks the
   real ones), written from slot 0 at positions 0, 1, ... (what an admission of a whole prompt writes there)."""
   cache = init_cache(cfg, 1, tokens.shape[1], per_row_index=True)
   _, cache = forward(cfg, weights, cache, tokens, valid)
-  return cache.replace(index=jnp.sum(valid, axis=1, dtype=jnp.int32))
+  return _constrained(place, cache.replace(index=jnp.sum(valid, axis=1, dtype=jnp.int32)))
 
 
-def _decode_impl(st: StaticSettings, num_steps: int, weights: DecodeWeights, cache: DecodeCache, rows: Array,
-                 last: Array, active: Array, lengths: Array, budgets: Array, seeds: Array, free_target: Array,
-                 admit: Fused | None = None):
+def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | None, weights: DecodeWeights,
+                 cache: DecodeCache, rows: Array, last: Array, active: Array, lengths: Array, budgets: Array,
+                 seeds: Array, free_target: Array, admit: Fused | None = None):
   """Up to `num_steps` tokens for each of the cache rows `rows` [R] (the active slots, gathered; rows >= B are
   padding: inactive, nothing is written back): feeds `last`, samples, stops a row at a stop token or when
   `lengths` (tokens of the turn so far) reaches `budgets` (all [R]). The chunk ends early once `free_target`
@@ -193,7 +230,7 @@ def _decode_impl(st: StaticSettings, num_steps: int, weights: DecodeWeights, cac
                       valid=cache.valid.at[rows[:, None], cols].set(block(small.valid, 1), mode='drop'),
                       index=cache.index.at[rows].set(small.index, mode='drop'),
                       positions=cache.positions.at[rows].set(small.positions, mode='drop'))
-  return cache, tokens, lps, slps, active, lengths, last, steps
+  return _constrained(place, cache), tokens, lps, slps, active, lengths, last, steps
 
 
 @jax.tree_util.register_dataclass
@@ -245,15 +282,18 @@ def _fused_first_step(st: StaticSettings, weights: DecodeWeights, seeds: Array, 
 
 
 # The programs, shared by every SlotSampler of the process (module docstring): one compiled program per static
-# settings (model, sampling, window; decode steps) and argument shapes (slot count, row and chunk buckets).
-_admit = jax.jit(_admit_impl, static_argnums=(0,), donate_argnums=(2,))
-_prefix = jax.jit(_prefix_impl, static_argnums=(0,))
-_decode = jax.jit(_decode_impl, static_argnums=(0, 1), donate_argnums=(3,))
+# settings (model, sampling, window; decode steps; cache placement) and argument shapes (slot count, row and chunk
+# buckets).
+_admit = jax.jit(_admit_impl, static_argnums=(0, 1), donate_argnums=(3,))
+_prefix = jax.jit(_prefix_impl, static_argnums=(0, 1))
+_decode = jax.jit(_decode_impl, static_argnums=(0, 1, 2), donate_argnums=(4,))
 _init_cache = jax.jit(init_cache, static_argnums=(0, 1, 2), static_argnames=('per_row_index',))
 
 
 def compiled_programs() -> dict[str, int]:
-  """Programs compiled so far in this process by all SlotSamplers together (admit, decode, prefix)."""
+  """Programs of this process's SlotSamplers together (admit, decode, prefix): the jits' dispatch entries, one
+  per compiled program, and one more for a new placement of the same arguments that lowers to a program compiled
+  already (tests count lowerings, `tests/rollout/helpers.lowerings`, to tell the two apart)."""
   return {'admit': _admit._cache_size(), 'decode': _decode._cache_size(), 'prefix': _prefix._cache_size()}
 
 
@@ -330,12 +370,15 @@ class SlotSampler:
       decode program then carries one (padding when none waits). Off by default: a fused program compiles
       ~2x slower than a plain one (tiny model: 11.4 vs 4.9 s; SmolLM2's warm-up: 968 s vs 265 s for the 52
       programs), and its SmolLM2 multi-turn speed is not measured yet (README, Benchmarks).
+    cache_sharding: where the cache's keys and values go (dims `[slots, kv_heads, ...]`; e.g. the kv heads
+      over the actors' `tensor` axis, as `config.mesh.rules` split the weights' heads: the trainer passes that);
+      the cache's other fields are replicated over its devices. None: where the weights are (`_placement`).
   """
 
   def __init__(self, source: SnapshotSource, *, num_slots: int, max_seq_len: int, stop_ids: Sequence[int],
                pad_id: int, chunk_buckets: Sequence[int] = (16, 32, 64), decode_steps: int = 16,
                num_windows: int = 8, num_admit_windows: int = 3, prefix_cache: bool = True,
-               fuse_admissions: bool = False):
+               fuse_admissions: bool = False, cache_sharding: jax.sharding.Sharding | None = None):
     if num_slots < 1 or decode_steps < 1 or max_seq_len < 2:
       raise ValueError(f'SlotSampler: num_slots={num_slots}, decode_steps={decode_steps} and max_seq_len='
                        f'{max_seq_len} must be >= 1, 1 and 2.')
@@ -362,6 +405,7 @@ class SlotSampler:
     # program compiles ~2x slower than a plain one, and admissions mostly come one at a time.
     self.fuse_admissions = bool(fuse_admissions)
     self.fused_rows = (1,)
+    self.placement = self._placement(cache_sharding)
     self._cache = self._placed(_init_cache(self.cfg, self.num_slots, self.cache_len, per_row_index=True))
     # The shared prefix (module docstring): its tokens (at most the largest chunk bucket, so one call computes
     # it), and its cache for one weights version, recomputed when the version or the tokens change.
@@ -384,21 +428,29 @@ class SlotSampler:
     self.budgets = np.zeros((b,), np.int32)
     self.seeds = np.zeros((b,), np.uint32)
 
-  def _placed(self, tree):
-    """`tree` on the weights' device when they are committed to one (an actor's own device, loaded weights).
+  def _placement(self, cache_sharding: jax.sharding.Sharding | None) -> CachePlacement | None:
+    """The cache's placement (`CachePlacement`): `cache_sharding` for its keys and values, or, when None, where
+    the weights are: on their device when they are committed to one, replicated over their mesh when they are
+    spread over one, none (XLA's choice, uncommitted caches) when they are uncommitted.
 
-    A compiled program is keyed by its arguments' placement too: the cache and the empty prefix, made by a
-    program without inputs, are uncommitted, while a program's outputs from committed weights (the cache after
-    a call, the shared prefix's cache) are committed; left so, every program compiled a second time at its first
-    call with the shared prefix (SmolLM2: ~50 programs, twice the warm-up, and the JIT's code memory ran out).
-    Weights spread over several devices are left to XLA's placement."""
+    Left to XLA with committed weights, the cache and the empty prefix (made by a program without inputs) are
+    uncommitted, a call's output cache is committed where XLA put it, and every program compiled a second
+    time at its first call with an earlier call's cache (SmolLM2: ~50 programs, twice the warm-up, and the
+    JIT's code memory ran out; a 2-device actor mesh: the same)."""
+    if cache_sharding is not None:
+      return CachePlacement.of(cache_sharding)
     leaf = jax.tree.leaves(self.source.snapshot.weights)[0]
-    if not getattr(leaf, 'committed', False) or len(leaf.sharding.device_set) != 1:
-      return tree
-    sharding = leaf.sharding  # A weight's own spec may not fit the cache's ranks: replicated on its mesh.
-    if isinstance(sharding, jax.sharding.NamedSharding):
-      sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return jax.device_put(tree, sharding)
+    if not getattr(leaf, 'committed', False):
+      return None
+    sharding = leaf.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):  # A weight's own spec may not fit the cache's ranks.
+      return CachePlacement.of(jax.sharding.NamedSharding(sharding.mesh, PartitionSpec()))
+    if len(sharding.device_set) == 1:
+      return CachePlacement.of(sharding)
+    return None
+
+  def _placed(self, cache: DecodeCache) -> DecodeCache:
+    return cache if self.placement is None else self.placement.put(cache)
 
   # ---- Introspection.
 
@@ -424,13 +476,13 @@ class SlotSampler:
 
   def _run_admit(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, chunk: np.ndarray, *args):
     self._used.add(('admit', st, rows.shape[0], chunk.shape[1]))
-    return _admit(st, weights, self._cache, rows, chunk, *args)
+    return _admit(st, self.placement, weights, self._cache, rows, chunk, *args)
 
   def _run_prefix(self, weights: DecodeWeights, tokens: Sequence[int]) -> DecodeCache:
     self._used.add(('prefix', self.cfg, self.prefix_slots))
     chunk = np.full((1, self.prefix_slots), self.pad_id, np.int32)
     chunk[0, :len(tokens)] = tokens
-    return _prefix(self.cfg, weights, chunk, np.arange(self.prefix_slots)[None] < len(tokens))
+    return _prefix(self.cfg, self.placement, weights, chunk, np.arange(self.prefix_slots)[None] < len(tokens))
 
   # ---- The shared prefix.
 
@@ -463,7 +515,7 @@ class SlotSampler:
   def _run_decode(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, *args):
     fused = args[-1]
     self._used.add(('decode', st, rows.shape[0], self.decode_steps, None if fused is None else fused.chunk.shape))
-    return _decode(st, self.decode_steps, weights, self._cache, rows, *args)
+    return _decode(st, self.decode_steps, self.placement, weights, self._cache, rows, *args)
 
   # ---- Warm-up.
 

@@ -12,8 +12,11 @@ from absl.testing import absltest
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 
+from configs import base as base_config
+from sao_jax import parallel
 from sao_jax import rollout
 from sao_jax.envs import base
 from sao_jax.models import logprobs as logprobs_lib
@@ -287,31 +290,60 @@ class ContinuousTest(absltest.TestCase):
       self.assertEqual(plain_seqs, seqs)
       np.testing.assert_allclose(np.concatenate(plain_lps), np.concatenate(lps), atol=1e-5)
 
-  def test_weights_committed_to_a_device_compile_nothing_after_the_warm_up(self):
-    """Weights placed on a device (an actor's own, loaded weights) are committed, and so are the programs'
-    outputs from them (the cache after a call, the shared prefix's cache); a program is keyed by its arguments'
-    placement too. After the warm-up, admissions from the shared prefix (fused, and by an admit call) and decode
-    chunks compile nothing: the process's jit caches, not the sampler's own count, are what is compared."""
+  def _placed_run(self, state_sharding, **kwargs):
+    """A 2-slot sampler over weights placed with `state_sharding` (a model-state tree or one sharding), warmed
+    up, then admissions from the shared prefix (fused, and by an admit call) and decode chunks. Returns the
+    tokens, the programs lowered after the warm-up and the sampler."""
     model = helpers.small_model(self.tok.vocab_size, seed=3)
-    nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, state_sharding(state)))
     sampler = rollout.SamplerBackend(model, stop_ids=(), pad_id=self.tok.pad_id, max_total_len=128).sampler
     self.assertTrue(jax.tree.leaves(sampler.snapshot.weights)[0].committed)
     slots = SlotSampler(sampler, num_slots=2, max_seq_len=128, stop_ids=(), pad_id=self.tok.pad_id,
                         chunk_buckets=(16,), decode_steps=4, num_windows=1, num_admit_windows=1,
-                        fuse_admissions=True)
+                        fuse_admissions=True, **kwargs)
     slots.warmup(_GREEDY)
-    before = continuous_lib.compiled_programs()
     head = [3 + (7 * i) % 40 for i in range(12)]
     got = []
-    for j, rest in enumerate(([50, 51], [52], list(range(60, 80)))):  # The last one's rest needs an admit call.
-      slot = j % 2
-      slots.release(slot)
-      got += slots.step([Admission(slot, head + rest, new=True, budget=5, seed=j)], _GREEDY)
-      while slots.active.any():
-        got += slots.decode(_GREEDY)
+    with helpers.lowerings() as lowered:
+      for j, rest in enumerate(([50, 51], [52], list(range(60, 80)))):  # The last one's rest needs an admit call.
+        slot = j % 2
+        slots.release(slot)
+        got += slots.step([Admission(slot, head + rest, new=True, budget=5, seed=j)], _GREEDY)
+        while slots.active.any():
+          got += slots.decode(_GREEDY)
     self.assertEqual(slots.prefix, tuple(head))
-    self.assertLen([x for r in got for x in r.ids], 15)
-    self.assertEqual(continuous_lib.compiled_programs(), before)
+    ids = [r.ids for r in got]
+    self.assertLen([x for r in ids for x in r], 15)
+    return ids, lowered, slots
+
+  def test_weights_committed_to_a_device_compile_nothing_after_the_warm_up(self):
+    """Weights placed on a device (an actor's own, loaded weights) are committed, and so are the programs'
+    outputs from them (the cache after a call, the shared prefix's cache); a program is keyed by its arguments'
+    placement too. After the warm-up, admissions from the shared prefix and decode chunks lower no program
+    (`helpers.lowerings`: what jax turns into XLA modules, whether a compilation cache then has it or not)."""
+    _, lowered, _ = self._placed_run(lambda state: jax.devices()[0])
+    self.assertEqual(lowered, [])
+
+  def test_weights_on_an_actor_mesh_compile_nothing_after_the_warm_up(self):
+    """Weights split over a 2-device actor mesh by the config's rules (the trainer's `mesh.actor_devices=2`):
+    the cache goes replicated on that mesh, or where `cache_sharding` says (kv heads over `tensor`, as the
+    trainer asks); either way every program keeps its output cache there, and nothing lowers after the warm-up
+    (before the fix each program lowered again at its first call with a cache an earlier call made). The tokens
+    are those of the same weights on one device."""
+    mesh = parallel.make_actor_mesh(jax.devices()[:2])
+    rules = base_config.get_config().mesh.rules
+    on_mesh = lambda state: parallel.tree_shardings(state, mesh, rules)
+    want, _, _ = self._placed_run(lambda state: jax.devices()[0])
+    kv = NamedSharding(mesh, PartitionSpec(None, 'tensor'))
+    for cache_sharding, spec in ((None, PartitionSpec()), (kv, PartitionSpec(None, 'tensor'))):
+      with self.subTest(cache_sharding=cache_sharding):
+        got, lowered, slots = self._placed_run(on_mesh, cache_sharding=cache_sharding)
+        self.assertEqual(lowered, [])
+        self.assertEqual(got, want)
+        cache = slots._cache  # pylint: disable=protected-access
+        for x, want_spec in ((cache.k[0], spec), (cache.valid, PartitionSpec()), (cache.index, PartitionSpec())):
+          self.assertTrue(x.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), x.ndim), x.sharding)
 
   def test_a_weight_swap_mid_run_is_recorded_per_token(self):
     other = helpers.small_model(self.tok.vocab_size, seed=9)

@@ -1,5 +1,7 @@
 """Shared helpers of the rollout (and eval) tests: scripted generators, a tiny model, a plain-forward reference."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,3 +153,22 @@ class EchoTask:
 
   def close(self):
     pass
+
+
+@contextlib.contextmanager
+def lowerings():
+  """The names of the programs jax lowers inside the block (a trace turned into a module for XLA): a program
+  re-lowered for new argument placements shows here even when a compilation cache then finds its executable,
+  and a jit's dispatch-cache entries that reuse a lowering (its `_cache_size`) do not."""
+  names = []
+
+  def listener(event, duration, **kwargs):
+    del duration
+    if event == '/jax/core/compile/jaxpr_to_mlir_module_duration':
+      names.append(kwargs.get('fun_name', '?'))
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
