@@ -104,7 +104,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.fuse_admissions = False  # Continuous: an admission of at most the smallest chunk bucket (16) of tokens past the
   # prefix (a next turn's observation, a prompt's rest), one per call, is written by the decode chunk's first step
   # instead of a device call of its own (one read of the weights for both). Same tokens either way. Off: its
-  # programs compile ~2x slower, and its SmolLM2 speed is not measured yet (README, Benchmarks).
+  # programs compile ~2x slower, for 0.99-1.12x the rollout speed on SmolLM2 multi-turn (README, Benchmarks).
   s.compile_ahead = False  # Continuous: compile every slot program before the first episode (else each at first use).
 
   # ---- Task / environment.

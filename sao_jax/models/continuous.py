@@ -67,9 +67,11 @@ not depend on the slot it runs in or on its neighbours; `logprobs` are temperatu
 from __future__ import annotations
 
 import dataclasses
+import time
 import weakref
 from typing import Protocol, Sequence
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -369,7 +371,8 @@ class SlotSampler:
       per call) in the decode chunk's first step instead of a device call of its own (module docstring); every
       decode program then carries one (padding when none waits). Off by default: a fused program compiles
       ~2x slower than a plain one (tiny model: 11.4 vs 4.9 s; SmolLM2's warm-up: 968 s vs 265 s for the 52
-      programs), and its SmolLM2 multi-turn speed is not measured yet (README, Benchmarks).
+      programs), for little speed: SmolLM2 multi-turn rollouts 0.99x / 1.12x the unfused in two runs (a fused
+      admission added 58-120 ms to its chunk, one of its own took 146-181 ms; README, Benchmarks).
     cache_sharding: where the cache's keys and values go (dims `[slots, kv_heads, ...]`; e.g. the kv heads
       over the actors' `tensor` axis, as `config.mesh.rules` split the weights' heads: the trainer passes that);
       the cache's other fields are replicated over its devices. None: where the weights are (`_placement`).
@@ -521,32 +524,43 @@ class SlotSampler:
 
   def warmup(self, params: SamplingParams) -> None:
     """Compiles every admit and decode program, and the prefix's (padding rows only: the slots are left as
-    they were)."""
+    they were). Logs its progress every 30 s (SmolLM2 on a 2-core CPU: ~50 programs, minutes)."""
     snapshot = self.source.snapshot
+    admits = [(p, t, w) for p in self.row_buckets for t in self.chunk_buckets for w in self.admit_windows if t <= w]
+    decodes = [(r, p, w) for r in self.row_buckets
+               for p in (self.fused_rows if self.fuse_admissions else (None,)) for w in self.windows]
+    total, done, t0 = len(admits) + len(decodes) + int(self.prefix_cache), 0, time.perf_counter()
+
+    def progress():
+      nonlocal done
+      done += 1
+      logging.log_every_n_seconds(logging.INFO, 'SlotSampler warm-up: %d of %d programs, %.0f s', 30, done, total,
+                                  time.perf_counter() - t0)
+
     if self.prefix_cache:
       self._run_prefix(snapshot.weights, ())
-    for p in self.row_buckets:
-      for t in self.chunk_buckets:
-        for w in [w for w in self.admit_windows if t <= w]:
-          rows = np.full((p,), self.num_slots, np.int32)
-          zeros = np.zeros((p,), np.int32)
-          self._cache, *_ = self._run_admit(self._static(params, w), snapshot.weights, rows,
-                                            np.zeros((p, t), np.int32), np.zeros((p, t), bool), zeros,
-                                            np.ones((p,), bool), zeros.astype(np.uint32), self._no_prefix,
-                                            np.zeros((p,), bool))
+      progress()
+    for p, t, w in admits:
+      rows = np.full((p,), self.num_slots, np.int32)
+      zeros = np.zeros((p,), np.int32)
+      self._cache, *_ = self._run_admit(self._static(params, w), snapshot.weights, rows,
+                                        np.zeros((p, t), np.int32), np.zeros((p, t), bool), zeros,
+                                        np.ones((p,), bool), zeros.astype(np.uint32), self._no_prefix,
+                                        np.zeros((p,), bool))
+      progress()
     t = self.chunk_buckets[0]
-    for r in self.row_buckets:
-      for p in self.fused_rows if self.fuse_admissions else (None,):
-        admit = None if p is None else Fused(np.full((p,), r, np.int32), np.zeros((p, t), np.int32),
-                                             np.zeros((p, t), bool), np.zeros((p,), bool), np.zeros((p,), bool),
-                                             self._no_prefix)
-        for w in self.windows:
-          zeros = np.zeros((r,), np.int32)
-          out = self._run_decode(self._static(params, w), snapshot.weights, np.full((r,), self.num_slots, np.int32),
-                                 zeros, np.zeros((r,), bool), zeros, zeros, zeros.astype(np.uint32), np.int32(r + 1),
-                                 admit)
-          self._cache = out[0]
+    for r, p, w in decodes:
+      admit = None if p is None else Fused(np.full((p,), r, np.int32), np.zeros((p, t), np.int32),
+                                           np.zeros((p, t), bool), np.zeros((p,), bool), np.zeros((p,), bool),
+                                           self._no_prefix)
+      zeros = np.zeros((r,), np.int32)
+      out = self._run_decode(self._static(params, w), snapshot.weights, np.full((r,), self.num_slots, np.int32),
+                             zeros, np.zeros((r,), bool), zeros, zeros, zeros.astype(np.uint32), np.int32(r + 1),
+                             admit)
+      self._cache = out[0]
+      progress()
     jax.block_until_ready(self._cache)
+    logging.info('SlotSampler warm-up: %d programs in %.1f s', total, time.perf_counter() - t0)
 
   # ---- Admission and decoding.
 
