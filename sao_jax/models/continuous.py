@@ -75,8 +75,8 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
+from sao_jax import parallel
 from sao_jax.models import sampling
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.decode import DecodeCache, DecodeWeights, forward, forward_mixed, init_cache, last_logits
@@ -101,7 +101,7 @@ class CachePlacement:
 
   @classmethod
   def of(cls, kv: jax.sharding.Sharding) -> CachePlacement:
-    rest = jax.sharding.NamedSharding(kv.mesh, PartitionSpec()) if isinstance(kv, jax.sharding.NamedSharding) else kv
+    rest = parallel.replicated(kv.mesh) if isinstance(kv, jax.sharding.NamedSharding) else kv
     return cls(kv, rest)
 
   def _apply(self, fn, cache: DecodeCache) -> DecodeCache:
@@ -447,7 +447,7 @@ class SlotSampler:
       return None
     sharding = leaf.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):  # A weight's own spec may not fit the cache's ranks.
-      return CachePlacement.of(jax.sharding.NamedSharding(sharding.mesh, PartitionSpec()))
+      return CachePlacement.of(parallel.replicated(sharding.mesh))
     if len(sharding.device_set) == 1:
       return CachePlacement.of(sharding)
     return None
