@@ -68,6 +68,11 @@ _REFILL_ROWS = flags.DEFINE_list('refill_rows', ['1', '4'], 'Continuous runs, on
 _FUSE = flags.DEFINE_list('fuse_admissions', ['false'], 'Continuous runs, one per value (x --refill_rows): short '
                           "admissions are written by the decode chunk's first step (true) or by device calls of "
                           'their own (false).')
+_REFILL = flags.DEFINE_list('device_refill', ['false'], 'Continuous runs, one per value (x --refill_rows x '
+                            "--fuse_admissions): a slot whose episode's last turn ends takes a queued episode inside "
+                            'the decode chunk (true) or the host admits it between chunks (false).')
+_QUEUE_CHUNK = flags.DEFINE_integer('queue_chunk', 32, 'With --device_refill: the longest prompt (past the shared '
+                                    'prefix) a queued episode may have (the tiny workload\'s prompts: <= 31 tokens).')
 _SEED = flags.DEFINE_integer('seed', 0, 'Workload and sampling seed.')
 
 
@@ -141,14 +146,17 @@ def main(argv):
   stop_ids = tuple(tok.stop_ids)
   backend = rollout.SamplerBackend(model, stop_ids=stop_ids, pad_id=tok.pad_id, max_total_len=max_seq_len,
                                    min_rows=slots_n)
-  fuses = [{'true': True, 'false': False}[x.lower()] for x in _FUSE.value]
+  as_bool = lambda x: {'true': True, 'false': False}[x.lower()]
+  fuses, device_refills = [as_bool(x) for x in _FUSE.value], [as_bool(x) for x in _REFILL.value]
   slot_sampler = SlotSampler(backend.sampler, num_slots=slots_n, max_seq_len=max_seq_len, stop_ids=stop_ids,
                              pad_id=tok.pad_id, decode_steps=_DECODE_STEPS.value, prefix_cache=_PREFIX_CACHE.value,
-                             fuse_admissions=any(fuses))
+                             fuse_admissions=any(fuses), device_refill=any(device_refills),
+                             queue_chunk=_QUEUE_CHUNK.value)
   t0 = time.perf_counter()
-  for fuse in fuses:  # A fusing sampler's decode programs carry an admission: the two settings compile their own.
-    slot_sampler.fuse_admissions = fuse
-    slot_sampler.warmup(decoding)
+  for fuse in fuses:  # Decode programs that carry an admission or a queue: each setting compiles its own.
+    for refill_on_device in device_refills:
+      slot_sampler.fuse_admissions, slot_sampler.device_refill = fuse, refill_on_device
+      slot_sampler.warmup(decoding)
   print(f'# model {name}; {n} episodes, {slots_n} slots; continuous warm-up (compile) {time.perf_counter() - t0:.1f}s, '
         f'programs {slot_sampler.num_compiled()}; load average {_load_average()}')
   seeds = [rollout.episode_seed(_SEED.value, i, 0) for i in range(n)]
@@ -160,32 +168,34 @@ def main(argv):
                                   seeds=seeds[i:i + slots_n])
     return out
 
-  def run_cont(envs, refill, fuse):
-    slot_sampler.fuse_admissions = fuse
+  def run_cont(envs, refill, fuse, refill_on_device):
+    slot_sampler.fuse_admissions, slot_sampler.device_refill = fuse, refill_on_device
     return run_continuous(slot_sampler, tok, envs, limits=limits, decoding=decoding, seeds=seeds[:len(envs)],
                           refill_rows=refill)
 
   refills = [int(x) for x in _REFILL_ROWS.value]
   if not refills or min(refills) < 1:
     raise ValueError(f'--refill_rows must list values >= 1, got {_REFILL_ROWS.value}.')
-  run_name = lambda r, f: 'continuous' + ''.join(
-      [f' refill {r}' if len(refills) > 1 else '', (' fused' if f else ' unfused') if len(fuses) > 1 else ''])
-  runners = [('static', run_static)] + [(run_name(r, f), lambda envs, r=r, f=f: run_cont(envs, r, f))
-                                        for r in refills for f in fuses]
+  run_name = lambda r, f, d: 'continuous' + ''.join(
+      [f' refill {r}' if len(refills) > 1 else '', (' fused' if f else ' unfused') if len(fuses) > 1 else '',
+       (' device refill' if d else ' host refill') if len(device_refills) > 1 else ''])
+  runners = [('static', run_static)] + [(run_name(r, f, d), lambda envs, r=r, f=f, d=d: run_cont(envs, r, f, d))
+                                        for r in refills for f in fuses for d in device_refills]
 
   # Where the continuous runner's time goes: device calls, decode steps run, wall and CPU seconds in each kind.
   calls = collections.defaultdict(float)
 
   def counted(kind, method):
     def call(*args, **kwargs):
-      t0, c0 = time.perf_counter(), time.process_time()
+      t0, c0, steps = time.perf_counter(), time.process_time(), slot_sampler.steps_run
       out = method(*args, **kwargs)
       calls[f'{kind}_wall'] += time.perf_counter() - t0
       calls[f'{kind}_cpu'] += time.process_time() - c0
       calls[f'{kind}_calls'] += 1
       if kind == 'decode':
-        calls['decode_steps'] += max((len(r.ids) for r in out), default=0)  # Steps the chunk ran.
+        calls['decode_steps'] += slot_sampler.steps_run - steps  # Steps the chunk ran.
         calls['fused'] += len(args[3])  # Admissions written by the chunk's first step.
+        calls['queued'] += sum(r.queued is not None for r in out)  # Episodes started inside the chunk.
       return out
     return call
 
@@ -212,7 +222,8 @@ def main(argv):
         runs[label].append((wall, tokens, cpu))
         if label != 'static':
           print(f'# {kind} {label} run {r}: {calls["decode_steps"]:.0f} decode steps in {calls["decode_calls"]:.0f} '
-                f'chunks ({calls["fused"]:.0f} admissions fused into them), {calls["admit_calls"]:.0f} admission '
+                f'chunks ({calls["fused"]:.0f} admissions fused into them, {calls["queued"]:.0f} episodes started in '
+                f'them), {calls["admit_calls"]:.0f} admission '
                 f'calls; wall s: decode {calls["decode_wall"]:.2f}, admit '
                 f'{calls["admit_wall"]:.2f}, rest {wall - calls["decode_wall"] - calls["admit_wall"]:.2f}; CPU s: '
                 f'decode {calls["decode_cpu"]:.2f}, admit {calls["admit_cpu"]:.2f}, rest '

@@ -166,11 +166,12 @@ def _prefix_impl(cfg: ModelConfig, place: CachePlacement | None, weights: Decode
 
 def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | None, weights: DecodeWeights,
                  cache: DecodeCache, rows: Array, last: Array, active: Array, lengths: Array, budgets: Array,
-                 seeds: Array, free_target: Array, admit: Fused | None = None):
+                 seeds: Array, free_target: Array, admit: Fused | None = None, queue: Queue | None = None):
   """Up to `num_steps` tokens for each of the cache rows `rows` [R] (the active slots, gathered; rows >= B are
   padding: inactive, nothing is written back): feeds `last`, samples, stops a row at a stop token or when
   `lengths` (tokens of the turn so far) reaches `budgets` (all [R]). The chunk ends early once `free_target`
-  of the R rows are inactive (newcomers are waiting for their slots) or none is active.
+  of the R rows are idle (inactive, and not about to take a queued episode: newcomers are waiting for their
+  slots) or none is active.
 
   The loop runs on a copy of the R rows cut to `st.window` slots (attention then reads only those; a loop that
   writes into the whole donated cache instead measured ~1.5x slower a step on XLA:CPU, SmolLM2 at 400 slots),
@@ -182,57 +183,134 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
   `admit` (a fused admission, `Fused`): the chunk's first step also writes newcomers' chunks into some of the R
   rows (inactive on entry) and samples each one's first token (`decode.forward_mixed`: one pass over the
   weights for both); those rows then decode with the others. Their `lengths` come in as 0, so the first token
-  counts as the turn's first."""
+  counts as the turn's first.
+
+  `queue` (new episodes, `Queue`): a row whose turn ends while `queue.final` marks it as its episode's last
+  takes the next queued episode in the following step (one per step; `forward_mixed` writes its prompt and
+  samples its first token, the other rows decode alongside), without a return to the host. Returns, per queue
+  entry, the row it went to (`R`: not taken), the column of its first token and the length of the turn it
+  ended (so the host can split a row's tokens between its episodes)."""
   b = last.shape[0]
-  tokens = jnp.full((b, num_steps), st.pad_id, jnp.int32)
-  lps = jnp.zeros((b, num_steps), jnp.float32)
-  slps = jnp.zeros((b, num_steps), jnp.float32)
+  carry = dict(i=jnp.zeros((), jnp.int32), tokens=jnp.full((b, num_steps), st.pad_id, jnp.int32),
+               lps=jnp.zeros((b, num_steps), jnp.float32), slps=jnp.zeros((b, num_steps), jnp.float32),
+               active=active, lengths=lengths, last=last, seeds=seeds, budgets=budgets)
+  if queue is not None:
+    q = queue.chunk.shape[0]
+    carry.update(final=queue.rows_final, free=jnp.zeros((b,), bool), next=jnp.zeros((), jnp.int32),
+                 taken_row=jnp.full((q,), b, jnp.int32), taken_at=jnp.zeros((q,), jnp.int32),
+                 taken_len=jnp.zeros((q,), jnp.int32))
+  waiting = lambda c: c['next'] < queue.count  # Queued episodes left.
 
-  def step(carry):
-    i, cache, tokens, lps, slps, active, lengths, last = carry
-    hidden, new = forward(st.cfg, weights, cache, last[:, None], active[:, None])
-    new = new.replace(index=jnp.where(active, cache.index + 1, cache.index))
-    tok, lp, slp = sampling.select_tokens(last_logits(weights, hidden), seeds, new.positions, st.params)
-    tok = jnp.where(active, tok, st.pad_id)
-    tokens = jax.lax.dynamic_update_slice(tokens, tok[:, None], (0, i))
-    lps = jax.lax.dynamic_update_slice(lps, jnp.where(active, lp, 0.0)[:, None], (0, i))
-    slps = jax.lax.dynamic_update_slice(slps, jnp.where(active, slp, 0.0)[:, None], (0, i))
-    lengths = lengths + active.astype(jnp.int32)
-    ended = active & (is_stop(st, tok) | (lengths >= budgets))
-    last = jnp.where(active, tok, last)
-    return i + 1, new, tokens, lps, slps, active & ~ended, lengths, last
+  def decode_tokens(c):
+    """One decode step of the active rows: (hidden [D, R], cache after it)."""
+    hidden, new = forward(st.cfg, weights, c['cache'], c['last'][:, None], c['active'][:, None])
+    return hidden, new.replace(index=jnp.where(c['active'], c['cache'].index + 1, c['cache'].index))
 
-  def running(carry):
-    active = carry[5]
-    return (carry[0] < num_steps) & jnp.any(active) & (jnp.sum(~active) < free_target)
+  def plain(c):
+    hidden, new = decode_tokens(c)
+    tok, lp, slp = sampling.select_tokens(last_logits(weights, hidden), c['seeds'], new.positions, st.params)
+    return _advance(st, {**c, 'cache': new}, tok, lp, slp, c['active'])
+
+  def take(c):
+    """The next queued episode into the first free row, with a decode step of the active rows."""
+    k, row = c['next'], jnp.argmax(c['free'])
+    entry = lambda x: jax.lax.dynamic_index_in_dim(x, k, keepdims=False)
+    one = lambda x: jax.lax.dynamic_index_in_dim(x, row, keepdims=True)
+    put_row = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, row, axis=0)
+    # The row starts the new episode: empty, or holding the shared prefix in slots [0, C).
+    started = _start_rows(jax.tree.map(one, c['cache']), jnp.ones((1,), bool), entry(queue.from_prefix)[None],
+                          queue.prefix)
+    small = jax.tree.map(put_row, c['cache'], started)
+    hidden, chunk_hidden, small = forward_mixed(st.cfg, weights, small, c['last'], c['active'], row[None],
+                                                entry(queue.chunk)[None], entry(queue.valid)[None],
+                                                window=st.window)
+    seeds = c['seeds'].at[row].set(entry(queue.seeds))
+    logits = last_logits(weights, jnp.concatenate([hidden, chunk_hidden], axis=1))  # [R + 1, V]
+    keys = jnp.concatenate([small.positions, one(small.positions)])
+    tok, lp, slp = sampling.select_tokens(logits, jnp.concatenate([seeds, one(seeds)]), keys, st.params)
+    is_row = jnp.arange(b) == row
+    pick = lambda x: jnp.where(is_row, x[b], x[:b])
+    c = {**c, 'cache': small, 'seeds': seeds, 'lengths': jnp.where(is_row, 0, c['lengths']),
+         'budgets': c['budgets'].at[row].set(entry(queue.budgets)),
+         'final': c['final'].at[row].set(entry(queue.final)), 'free': c['free'] & ~is_row, 'next': k + 1,
+         'taken_row': c['taken_row'].at[k].set(row), 'taken_at': c['taken_at'].at[k].set(c['i']),
+         'taken_len': c['taken_len'].at[k].set(c['lengths'][row])}
+    return _advance(st, c, pick(tok), pick(lp), pick(slp), c['active'] | is_row)
+
+  def step(c):
+    if queue is None:
+      return plain(c)
+    return jax.lax.cond(jnp.any(c['free']) & waiting(c), take, plain, c)
+
+  def running(c):
+    go, idle = jnp.any(c['active']), ~c['active']
+    if queue is not None:  # A free row takes a queued episode in the next step: it is not idle.
+      refill = c['free'] & waiting(c)
+      go, idle = go | jnp.any(refill), idle & ~refill
+    return (c['i'] < num_steps) & go & (jnp.sum(idle) < free_target)
 
   w = st.window
-  take = lambda x: jnp.take(x, rows, axis=0, mode='clip')
+  rows_of = lambda x: jnp.take(x, rows, axis=0, mode='clip')
   # The rows' windows only (a gather of [1, ..., w] blocks; `take` then a slice would copy whole rows first).
   window = lambda x, axis: jax.vmap(lambda r: jax.lax.dynamic_slice(
       x, (r,) + (0,) * (x.ndim - 1), (1,) + x.shape[1:axis] + (w,) + x.shape[axis + 1:])[0])(rows)
   small = DecodeCache(k=tuple(window(x, 3) for x in cache.k), v=tuple(window(x, 2) for x in cache.v),
-                      valid=window(cache.valid, 1), index=take(cache.index), positions=take(cache.positions))
+                      valid=window(cache.valid, 1), index=rows_of(cache.index), positions=rows_of(cache.positions))
   start = small.index  # [R]: a row's chunk writes slots [start, start + num_steps) at most, inside the window.
   n = num_steps
-  carry = (jnp.zeros((), jnp.int32), small, tokens, lps, slps, active, lengths, last)
+  carry['cache'] = small
   if admit is not None:  # The first step writes the newcomers' chunks too (module docstring).
-    carry, start = _fused_first_step(st, weights, seeds, budgets, admit, carry)
+    carry, start = _fused_first_step(st, weights, admit, carry)
     n += admit.chunk.shape[1] + admit.prefix.max_len  # A newcomer row writes from its prefix on.
-  steps, small, tokens, lps, slps, active, lengths, last = jax.lax.while_loop(running, step, carry)
+  carry = jax.lax.while_loop(running, step, carry)
+  small = carry['cache']
+  if queue is not None:  # A row that took a queued episode: its old history is gone (the window's copy says so
+    # for the slots it holds; the rest of the row is marked empty here), the new one is in slots [0, m).
+    took = jnp.zeros((b,), bool).at[carry['taken_row']].set(True, mode='drop')
+    cache = cache.replace(valid=cache.valid.at[jnp.where(took, rows, cache.batch_size)].set(False, mode='drop'))
   # Only those slots go back (the rest of the window is what was gathered): [R, n] cells per row and layer.
   n = min(n, w)
   start = jnp.minimum(start, w - n)  # A row that ended before the window's end wrote nothing past its index.
+  cache = _put_back(cache, small, rows, start, n)
+  if queue is not None:
+    m = min(queue.prefix.max_len + queue.chunk.shape[1] + num_steps, w)
+    cache = _put_back(cache, small, jnp.where(took, rows, cache.batch_size), jnp.zeros((b,), jnp.int32), m)
+  out = (carry['tokens'], carry['lps'], carry['slps'], carry['active'], carry['lengths'], carry['last'],
+         carry['i'])
+  if queue is not None:
+    out += (carry['taken_row'], carry['taken_at'], carry['taken_len'])
+  return (_constrained(place, cache),) + out
+
+
+def _put_back(cache: DecodeCache, small: DecodeCache, rows: Array, start: Array, n: int) -> DecodeCache:
+  """Slots `[start[r], start[r] + n)` of each window row `r` of `small` into cache row `rows[r]` (rows >= B:
+  dropped), and the rows' `index` and `positions`."""
   cols = start[:, None] + jnp.arange(n, dtype=jnp.int32)  # [R, n]
   block = lambda x, axis: jax.vmap(lambda xr, i: jax.lax.dynamic_slice_in_dim(xr, i, n, axis=axis - 1))(x, start)
   put_k = lambda full, part: full.at[rows[:, None], :, :, cols].set(  # Indexed dims first: values [R, n, K, H].
       block(part, 3).transpose(0, 3, 1, 2), mode='drop')
   put_v = lambda full, part: full.at[rows[:, None], :, cols].set(block(part, 2).transpose(0, 2, 1, 3), mode='drop')
-  cache = DecodeCache(k=tuple(map(put_k, cache.k, small.k)), v=tuple(map(put_v, cache.v, small.v)),
-                      valid=cache.valid.at[rows[:, None], cols].set(block(small.valid, 1), mode='drop'),
-                      index=cache.index.at[rows].set(small.index, mode='drop'),
-                      positions=cache.positions.at[rows].set(small.positions, mode='drop'))
-  return _constrained(place, cache), tokens, lps, slps, active, lengths, last, steps
+  return DecodeCache(k=tuple(map(put_k, cache.k, small.k)), v=tuple(map(put_v, cache.v, small.v)),
+                     valid=cache.valid.at[rows[:, None], cols].set(block(small.valid, 1), mode='drop'),
+                     index=cache.index.at[rows].set(small.index, mode='drop'),
+                     positions=cache.positions.at[rows].set(small.positions, mode='drop'))
+
+
+def _advance(st: StaticSettings, c: dict, tok: Array, lp: Array, slp: Array, stepped: Array) -> dict:
+  """The decode loop's carry after a step that sampled `tok` (and its log-probs) for the `stepped` rows [R]:
+  tokens written at column `i`, turns that end (stop token, budget) leave the active set, and with a queue a
+  row whose ended turn was its episode's last is free for the next queued episode."""
+  i = c['i']
+  tok = jnp.where(stepped, tok, st.pad_id)
+  col = lambda x, v: jax.lax.dynamic_update_slice(x, v[:, None], (0, i))
+  lengths = c['lengths'] + stepped.astype(jnp.int32)
+  ended = stepped & (is_stop(st, tok) | (lengths >= c['budgets']))
+  c = {**c, 'i': i + 1, 'tokens': col(c['tokens'], tok), 'lps': col(c['lps'], jnp.where(stepped, lp, 0.0)),
+       'slps': col(c['slps'], jnp.where(stepped, slp, 0.0)), 'lengths': lengths, 'active': stepped & ~ended,
+       'last': jnp.where(stepped, tok, c['last'])}
+  if 'free' in c:
+    c['free'] = c['free'] | (ended & c['final'])
+  return c
 
 
 @jax.tree_util.register_dataclass
@@ -255,32 +333,50 @@ class Fused:
   prefix: DecodeCache
 
 
-def _fused_first_step(st: StaticSettings, weights: DecodeWeights, seeds: Array, budgets: Array, admit: Fused,
-                      carry: tuple) -> tuple[tuple, Array]:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Queue:
+  """New episodes a decode chunk starts in rows whose episode ended in it (`_decode_impl`'s `queue`).
+
+  Attributes:
+    chunk: int32 [Q, T] right-padded prompts (past the shared prefix where `from_prefix`); `valid` bool [Q, T].
+    from_prefix: bool [Q]: the episode starts from the shared prefix's cache.
+    seeds: uint32 [Q] sampling seeds; budgets: int32 [Q] token budgets of their first turns.
+    final: bool [Q]: the episode's first turn is its last (its row takes the next one when it ends).
+    count: int32 scalar: the real entries (the first `count`; the rest is padding).
+    rows_final: bool [R]: the chunk's rows whose current turn is their episode's last.
+    prefix: the shared prefix's cache (one row of C slots; `_prefix_impl`'s, or an empty one).
+  """
+  chunk: Array
+  valid: Array
+  from_prefix: Array
+  seeds: Array
+  budgets: Array
+  final: Array
+  count: Array
+  rows_final: Array
+  prefix: DecodeCache
+
+
+def _fused_first_step(st: StaticSettings, weights: DecodeWeights, admit: Fused, c: dict) -> tuple[dict, Array]:
   """The decode loop's first step with the newcomers' chunks (`decode.forward_mixed`): returns the loop's carry
   after it and each row's first written slot (a new episode's row: 0)."""
-  i, small, tokens, lps, slps, active, lengths, last = carry
-  r = last.shape[0]
+  small, r = c['cache'], c['last'].shape[0]
   put = lambda x, y: x.at[admit.rows].set(y, mode='drop')
   rows_of = lambda x: jnp.take(x, admit.rows, axis=0, mode='clip')
   # A new episode's row starts empty, or with the shared prefix in slots [0, C) (in its window).
   started = _start_rows(jax.tree.map(rows_of, small), admit.reset, admit.from_prefix, admit.prefix)
   start = jnp.where(put(jnp.zeros((r,), bool), admit.reset), 0, small.index)
   small = jax.tree.map(put, small, started)
-  hidden, chunk_hidden, small = forward_mixed(st.cfg, weights, small, last, active, admit.rows, admit.chunk,
-                                              admit.valid, window=st.window)
+  hidden, chunk_hidden, small = forward_mixed(st.cfg, weights, small, c['last'], c['active'], admit.rows,
+                                              admit.chunk, admit.valid, window=st.window)
   logits = last_logits(weights, jnp.concatenate([hidden, chunk_hidden], axis=1))  # [R + P, V]
   keys = jnp.concatenate([small.positions, rows_of(small.positions)])
-  tok, lp, slp = sampling.select_tokens(logits, jnp.concatenate([seeds, rows_of(seeds)]), keys, st.params)
+  tok, lp, slp = sampling.select_tokens(logits, jnp.concatenate([c['seeds'], rows_of(c['seeds'])]), keys,
+                                        st.params)
   newcomer = put(jnp.zeros((r,), bool), jnp.ones(admit.rows.shape, bool))
-  stepped = active | newcomer
-  pick = lambda x, fill: put(jnp.where(active, x[:r], fill), x[r:])
-  tok, lp, slp = pick(tok, st.pad_id), pick(lp, 0.0), pick(slp, 0.0)
-  tokens, lps, slps = tokens.at[:, 0].set(tok), lps.at[:, 0].set(lp), slps.at[:, 0].set(slp)
-  lengths = lengths + stepped.astype(jnp.int32)
-  ended = stepped & (is_stop(st, tok) | (lengths >= budgets))
-  last = jnp.where(stepped, tok, last)
-  return (i + 1, small, tokens, lps, slps, stepped & ~ended, lengths, last), start
+  pick = lambda x: put(x[:r], x[r:])
+  return _advance(st, {**c, 'cache': small}, pick(tok), pick(lp), pick(slp), c['active'] | newcomer), start
 
 
 # The programs, shared by every SlotSampler of the process (module docstring): one compiled program per static
@@ -319,12 +415,32 @@ class Admission:
     new: the slot starts a new episode (its cache row is reset; `seed` is its sampling seed).
     budget: new tokens this turn may generate (>= 1).
     seed: the episode's sampling seed (used when `new`).
+    final: this turn is the episode's last (its end ends the episode): with `device_refill`, the slot takes a
+      queued episode as soon as the turn ends, in the same decode chunk.
   """
   slot: int
   tokens: Sequence[int]
   new: bool
   budget: int
   seed: int = 0
+  final: bool = False
+
+
+@dataclasses.dataclass
+class NewEpisode:
+  """A new episode that a decode chunk may start in a slot whose episode ended in it (`SlotSampler.step`'s
+  `queue`, with `device_refill`).
+
+  Attributes:
+    tokens: its prompt.
+    budget: new tokens its first turn may generate (>= 1).
+    seed: its sampling seed.
+    final: its first turn is its last (a single-turn episode).
+  """
+  tokens: Sequence[int]
+  budget: int
+  seed: int = 0
+  final: bool = False
 
 
 @dataclasses.dataclass
@@ -338,6 +454,8 @@ class SlotTokens:
     sampling_logprobs: log-probs under the distribution sampled from.
     version: the weights version that generated them (one snapshot per call).
     ended: the turn is over (stop token or budget); the slot stops decoding until its next admission.
+    queued: None: the tokens of the episode the slot held; else the index (into `step`'s `queue`) of the new
+      episode the slot took in the call, whose first turn they begin.
   """
   slot: int
   ids: list[int]
@@ -345,6 +463,7 @@ class SlotTokens:
   sampling_logprobs: list[float]
   version: int
   ended: bool
+  queued: int | None = None
 
 
 def _next_pow2(x: int) -> int:
@@ -373,6 +492,13 @@ class SlotSampler:
       ~2x slower than a plain one (tiny model: 11.4 vs 4.9 s; SmolLM2's warm-up: 968 s vs 265 s for the 52
       programs), for little speed: SmolLM2 multi-turn rollouts 0.99x / 1.12x the unfused in two runs (a fused
       admission added 58-120 ms to its chunk, one of its own took 146-181 ms; README, Benchmarks).
+    device_refill: every decode program carries a queue of new episodes (`step`'s `queue`): a slot whose
+      episode's last turn ends in a decode chunk takes the next one in the chunk's following step (its prompt
+      written and its first token sampled along with the other rows' decode step, `decode.forward_mixed`),
+      instead of the chunk ending and the host admitting it. On a small model a host round trip (an admission
+      call and a decode call: dispatch, sync, the window's copy) costs several decode steps.
+    queue_chunk: with `device_refill`, the longest prompt (past the shared prefix) a queued episode may have
+      (the queue's static chunk length; default the smallest chunk bucket); longer ones are left to the caller.
     cache_sharding: where the cache's keys and values go (dims `[slots, kv_heads, ...]`; e.g. the kv heads
       over the actors' `tensor` axis, as `config.mesh.rules` split the weights' heads: the trainer passes that);
       the cache's other fields are replicated over its devices. None: where the weights are (`_placement`).
@@ -381,7 +507,8 @@ class SlotSampler:
   def __init__(self, source: SnapshotSource, *, num_slots: int, max_seq_len: int, stop_ids: Sequence[int],
                pad_id: int, chunk_buckets: Sequence[int] = (16, 32, 64), decode_steps: int = 16,
                num_windows: int = 8, num_admit_windows: int = 3, prefix_cache: bool = True,
-               fuse_admissions: bool = False, cache_sharding: jax.sharding.Sharding | None = None):
+               fuse_admissions: bool = False, device_refill: bool = False, queue_chunk: int | None = None,
+               cache_sharding: jax.sharding.Sharding | None = None):
     if num_slots < 1 or decode_steps < 1 or max_seq_len < 2:
       raise ValueError(f'SlotSampler: num_slots={num_slots}, decode_steps={decode_steps} and max_seq_len='
                        f'{max_seq_len} must be >= 1, 1 and 2.')
@@ -408,6 +535,12 @@ class SlotSampler:
     # program compiles ~2x slower than a plain one, and admissions mostly come one at a time.
     self.fuse_admissions = bool(fuse_admissions)
     self.fused_rows = (1,)
+    # The queue of new episodes a decode chunk may start (`device_refill`): at most one per slot per chunk.
+    self.device_refill = bool(device_refill)
+    self.queue_rows = self.num_slots
+    self.queue_chunk = int(queue_chunk) if queue_chunk else self.chunk_buckets[0]
+    if not 1 <= self.queue_chunk <= self.max_seq_len:
+      raise ValueError(f'SlotSampler queue_chunk={queue_chunk} must be in [1, max_seq_len={self.max_seq_len}].')
     self.placement = self._placement(cache_sharding)
     self._cache = self._placed(_init_cache(self.cfg, self.num_slots, self.cache_len, per_row_index=True))
     # The shared prefix (module docstring): its tokens (at most the largest chunk bucket, so one call computes
@@ -430,6 +563,8 @@ class SlotSampler:
     self.lengths = np.zeros((b,), np.int32)  # Tokens of the current turn so far.
     self.budgets = np.zeros((b,), np.int32)
     self.seeds = np.zeros((b,), np.uint32)
+    self.final = np.zeros((b,), bool)  # The slot's current turn is its episode's last (`Admission.final`).
+    self.steps_run = 0  # Decode steps the device ran (all chunks; a counter for benchmarks).
 
   def _placement(self, cache_sharding: jax.sharding.Sharding | None) -> CachePlacement | None:
     """The cache's placement (`CachePlacement`): `cache_sharding` for its keys and values, or, when None, where
@@ -516,8 +651,9 @@ class SlotSampler:
     return cached[1]
 
   def _run_decode(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, *args):
-    fused = args[-1]
-    self._used.add(('decode', st, rows.shape[0], self.decode_steps, None if fused is None else fused.chunk.shape))
+    fused, queue = args[-2:]
+    self._used.add(('decode', st, rows.shape[0], self.decode_steps, None if fused is None else fused.chunk.shape,
+                    None if queue is None else queue.chunk.shape))
     return _decode(st, self.decode_steps, self.placement, weights, self._cache, rows, *args)
 
   # ---- Warm-up.
@@ -556,7 +692,7 @@ class SlotSampler:
       zeros = np.zeros((r,), np.int32)
       out = self._run_decode(self._static(params, w), snapshot.weights, np.full((r,), self.num_slots, np.int32),
                              zeros, np.zeros((r,), bool), zeros, zeros, zeros.astype(np.uint32), np.int32(r + 1),
-                             admit)
+                             admit, self._queue(w, [], np.zeros((r,), bool)))
       self._cache = out[0]
       progress()
     jax.block_until_ready(self._cache)
@@ -652,6 +788,7 @@ class SlotSampler:
       self.fill[s] += len(chunks[i])
       ended = tok in self.stop_ids or a.budget <= 1
       self.active[s], self.lengths[s], self.budgets[s], self.last[s] = not ended, 1, a.budget, tok
+      self.final[s] = a.final
       self.pending[s], self.has_pending[s] = tok, True
       out.append(SlotTokens(s, [tok], [lp], [slp], snapshot.version, ended))
     return out
@@ -664,16 +801,21 @@ class SlotSampler:
     for them); None: it runs `decode_steps` steps or until no slot is active."""
     return self._decode(params, free_target, self.source.snapshot, [])
 
-  def step(self, admissions: Sequence[Admission], params: SamplingParams, *,
-           refill: int | None = None) -> list[SlotTokens]:
+  def step(self, admissions: Sequence[Admission], params: SamplingParams, *, refill: int | None = None,
+           queue: Sequence[NewEpisode] = ()) -> list[SlotTokens]:
     """Admits `admissions` and runs one decode chunk over them and the active slots (one snapshot).
 
     With `fuse_admissions`, up to `max(fused_rows)` (one) admissions whose chunk (past the shared prefix) fits
     the smallest chunk bucket are written by the chunk's first step (`decode.forward_mixed`: one pass over the
     weights for the decode step and the chunks, no device call of their own); the others are admitted first
     (`admit`). Returns a slot's tokens of the call in one `SlotTokens` (an admitted slot's first token first).
-    `refill`: the chunk ends once this many more slots are inactive than after the admissions (None: it runs
-    `decode_steps` steps or until no slot is active)."""
+    `refill`: the chunk ends once this many more slots are idle than after the admissions (None: it runs
+    `decode_steps` steps or until no slot is active).
+
+    `queue` (with `device_refill`): new episodes, in order, that slots whose episode's last turn (`final`) ends
+    in the chunk take, one a step (module docstring); those whose prompt past the shared prefix is longer than
+    `queue_chunk` and those past `queue_rows` are not offered. A taken one's tokens come back in a `SlotTokens`
+    of its own (`queued`: its index), after the slot's previous episode's; the others were not started."""
     snapshot = self.source.snapshot
     chunks, starts = self._prepare(admissions) if admissions else ([], [])
     fused, rest = [], []
@@ -684,17 +826,62 @@ class SlotSampler:
                         params) if rest else []
     busy = int(self.active.sum()) + len(fused)
     free_target = None if refill is None else self.num_slots - busy + int(refill)
-    merged: dict[int, SlotTokens] = {r.slot: r for r in first}
-    for r in self._decode(params, free_target, snapshot, fused):
-      if r.slot in merged:  # Admitted above: its first token, then the chunk's.
-        m = merged[r.slot]
+    first_of = {r.slot: r for r in first}
+    out = []
+    for r in self._decode(params, free_target, snapshot, fused, self._queued(queue)):
+      m = first_of.pop(r.slot, None) if r.queued is None else None
+      if m is not None:  # Admitted above: its first token, then the chunk's.
         r = SlotTokens(r.slot, m.ids + r.ids, m.logprobs + r.logprobs, m.sampling_logprobs + r.sampling_logprobs,
                        r.version, r.ended)
-      merged[r.slot] = r
-    return list(merged.values())
+      out.append(r)
+    return out + list(first_of.values())  # Admitted, and the first token ended the turn.
+
+  def _queued(self, queue: Sequence[NewEpisode]) -> list[tuple[int, NewEpisode, list[int], int]]:
+    """The queue entries a decode chunk may take: (index in `queue`, entry, prompt, its start past the shared
+    prefix) for those whose prompt past the prefix fits `queue_chunk`, the first `queue_rows` of them."""
+    if not (self.device_refill and queue):
+      return []
+    out = []
+    for k, e in enumerate(queue):
+      prompt = [int(x) for x in e.tokens]
+      if not prompt or len(prompt) > self.max_seq_len or e.budget < 1:
+        raise ValueError(f'SlotSampler.step: queued episode {k} has {len(prompt)} prompt tokens (needs 1 to '
+                         f'max_seq_len={self.max_seq_len}) and a budget of {e.budget} (needs >= 1).')
+      self._learn_prefix(tuple(prompt))
+      out.append((k, e, prompt))
+    n_prefix = len(self.prefix)
+    fits = []
+    for k, e, prompt in out:
+      start = n_prefix if n_prefix and len(prompt) > n_prefix and tuple(prompt[:n_prefix]) == self.prefix else 0
+      if len(prompt) - start <= self.queue_chunk and len(fits) < self.queue_rows:
+        fits.append((k, e, prompt, start))
+    return fits
+
+  def _queue_fits(self, window: int) -> bool:
+    """A decode program of this window carries the queue (`device_refill`): a taken episode's prefix, prompt and
+    a chunk's steps fit in it."""
+    return self.device_refill and self.prefix_slots + self.queue_chunk + self.decode_steps <= window
+
+  def _queue(self, window: int, entries: list[tuple[int, NewEpisode, list[int], int]], rows_final: np.ndarray,
+             prefix: DecodeCache | None = None) -> Queue | None:
+    """The decode program's `Queue` (None when the window's programs carry none): `entries` (`_queued`'s),
+    padded to `queue_rows`."""
+    if not self._queue_fits(window):
+      return None
+    q, t = self.queue_rows, self.queue_chunk
+    chunk, valid = np.full((q, t), self.pad_id, np.int32), np.zeros((q, t), bool)
+    from_prefix, seeds = np.zeros((q,), bool), np.zeros((q,), np.uint32)
+    budgets, final = np.ones((q,), np.int32), np.zeros((q,), bool)
+    for j, (_, e, prompt, start) in enumerate(entries):
+      rest = prompt[start:]
+      chunk[j, :len(rest)], valid[j, :len(rest)], from_prefix[j] = rest, True, start > 0
+      seeds[j], budgets[j], final[j] = e.seed % (1 << 32), e.budget, e.final
+    return Queue(chunk, valid, from_prefix, seeds, budgets, final, np.int32(len(entries)), rows_final,
+                 self._no_prefix if prefix is None else prefix)
 
   def _decode(self, params: SamplingParams, free_target: int | None, snapshot: WeightsSnapshot,
-              fused: list[tuple[Admission, list[int], int]]) -> list[SlotTokens]:
+              fused: list[tuple[Admission, list[int], int]],
+              queued: list[tuple[int, NewEpisode, list[int], int]] = ()) -> list[SlotTokens]:
     was_active = self.active.copy()
     if not was_active.any() and not fused:
       return []
@@ -709,11 +896,15 @@ class SlotSampler:
     # Tokens a row holds before the chunk (a newcomer: its history past the admission, the chunk included).
     base = {s: (0 if a.new else int(self.fill[s])) + len(c) for s, (a, c, _) in newcomer.items()}
     need = min(max(base.get(int(s), int(self.fill[s])) for s in idx) + self.decode_steps, self.cache_len)
+    if queued:  # A taken episode writes its prefix and prompt, then decodes.
+      need = max(need, self.prefix_slots + self.queue_chunk + self.decode_steps)
     window = next(w for w in self.windows if need <= w)
-    # `free_target` counts free slots of all B; the chunk counts inactive rows of its R (B - n are not in it).
+    if not self._queue_fits(window):
+      queued = []
+    # `free_target` counts free slots of all B; the chunk counts idle rows of its R (B - n are not in it).
     target = r + 1 if free_target is None else free_target - (self.num_slots - r)
     lengths_in = self.lengths.copy()
-    seeds, budgets = self.seeds.copy(), self.budgets.copy()
+    seeds, budgets, final = self.seeds.copy(), self.budgets.copy(), self.final.copy()
     admit = None
     if self.fuse_admissions:  # Every decode program of a fusing sampler has its admission (padding when none).
       t, p = self.chunk_buckets[0], next(x for x in self.fused_rows if len(fused) <= x)
@@ -726,27 +917,51 @@ class SlotSampler:
         part = c[start:]
         f_rows[j], reset[j], from_prefix[j] = pos[a.slot], a.new, a.new and start > 0
         chunk[j, :len(part)], valid[j, :len(part)] = part, True
-        lengths_in[a.slot], budgets[a.slot] = 0, a.budget
+        lengths_in[a.slot], budgets[a.slot], final[a.slot] = 0, a.budget, a.final
         if a.new:
           seeds[a.slot] = a.seed % (1 << 32)
       prefix = self._prefix_for(snapshot) if from_prefix.any() else self._no_prefix
       admit = Fused(f_rows, chunk, valid, reset, from_prefix, prefix)
+    queue = self._queue(window, queued, gather(final),
+                        self._prefix_for(snapshot) if any(start for *_, start in queued) else None)
     out = self._run_decode(self._static(params, window), snapshot.weights, rows, gather(self.last),
                            gather(was_active), gather(lengths_in), gather(budgets), gather(seeds),
-                           np.int32(target), admit)
+                           np.int32(target), admit, queue)
     self._cache = out[0]
-    tokens, lps, slps, active, lengths, last, _ = jax.device_get(out[1:])
+    tokens, lps, slps, active, lengths, last, steps, *taken = jax.device_get(out[1:])
+    self.steps_run += int(steps)
+    # A row's tokens, by episode: (queue entry or None, first column, turn length before the chunk) segments.
+    segments = {j: [(None, 0, int(lengths_in[s]))] for j, s in enumerate(idx)}
+    ends = {}  # (row, segment index) -> the turn's length when it ended (the last segment's: `lengths`).
+    if taken:
+      taken_row, taken_at, taken_len = taken
+      for k in range(len(queued)):
+        j = int(taken_row[k])
+        if j < n:
+          ends[(j, len(segments[j]) - 1)] = int(taken_len[k])
+          segments[j].append((k, int(taken_at[k]), 0))
     results = []
     for j, s in enumerate(idx):
-      k = int(lengths[j] - lengths_in[s])
-      results.append(SlotTokens(int(s), tokens[j, :k].tolist(), lps[j, :k].tolist(), slps[j, :k].tolist(),
-                                snapshot.version, not bool(active[j])))
-      if s in newcomer:  # Its chunk, then a step per token after the first (each wrote the token before it).
-        self.seeds[s], self.budgets[s] = seeds[s], budgets[s]
-        self.fill[s] = base[int(s)] + k - 1
+      s = int(s)
+      for g, (k, col, l0) in enumerate(segments[j]):
+        count = ends.get((j, g), int(lengths[j])) - l0
+        last_one = g == len(segments[j]) - 1
+        results.append(SlotTokens(s, tokens[j, col:col + count].tolist(), lps[j, col:col + count].tolist(),
+                                  slps[j, col:col + count].tolist(), snapshot.version,
+                                  not (last_one and bool(active[j])), None if k is None else queued[k][0]))
+      k, _, _ = segments[j][-1]
+      count = int(lengths[j]) - segments[j][-1][2]
+      if k is not None:  # A queued episode: its prompt, then a step per token after the first.
+        _, e, prompt, _ = queued[k]
+        self.seeds[s], self.budgets[s], self.final[s] = e.seed % (1 << 32), e.budget, e.final
+        self.fill[s] = len(prompt) + count - 1
+        self.has_pending[s] = True
+      elif s in newcomer:  # Its chunk, then a step per token after the first (each wrote the token before it).
+        self.seeds[s], self.budgets[s], self.final[s] = seeds[s], budgets[s], final[s]
+        self.fill[s] = base[s] + count - 1
         self.has_pending[s] = True
       else:
-        self.fill[s] += k  # Each step wrote the slot's previous token.
+        self.fill[s] += count  # Each step wrote the slot's previous token.
       self.pending[s] = last[j]
       self.active[s], self.lengths[s], self.last[s] = bool(active[j]), lengths[j], last[j]
     return results
@@ -756,3 +971,4 @@ class SlotSampler:
     self.active[slot] = False
     self.has_pending[slot] = False
     self.fill[slot] = 0
+    self.final[slot] = False

@@ -49,7 +49,7 @@ from typing import Protocol
 
 from sao_jax import types
 from sao_jax.envs.base import Env
-from sao_jax.models.continuous import Admission, SlotSampler, SlotTokens
+from sao_jax.models.continuous import Admission, NewEpisode, SlotSampler, SlotTokens
 from sao_jax.models.sampling import SamplingParams
 from sao_jax.rollout.backends import Generation
 from sao_jax.rollout.episodes import Episode, EpisodeLimits, EpisodeRules, absorb, finish, start_episode, turn_budget
@@ -71,6 +71,7 @@ class _Running:
   key: Hashable
   episode: Episode
   seed: int
+  rules: EpisodeRules
   ids: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   policy_logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -118,11 +119,13 @@ class ContinuousRunner:
                                                        thread_name_prefix='env')
     self._waiting: collections.deque[tuple[Hashable, Env, int, int, EpisodeRules]] = collections.deque()
     self._running: dict[int, _Running] = {}
-    self._rules: dict[int, EpisodeRules] = {}
-    self._env_steps: dict[concurrent.futures.Future, int] = {}
+    # Started episodes offered to the slots' device refill (`SlotSampler.device_refill`), not in a slot yet.
+    self._staged: collections.deque[_Running] = collections.deque()
+    # An env step's slot and episode: the slot may have gone to a queued episode meanwhile (a final turn).
+    self._env_steps: dict[concurrent.futures.Future, tuple[int, _Running]] = {}
     self._admissions: list[Admission] = []
     self._draining = False
-    self._dropped: set[int] = set()  # Slots of dropped episodes whose env step is still running.
+    self._dropped: dict[int, _Running] = {}  # Slots of dropped episodes whose env step is still running.
 
   def close(self) -> None:
     self._pool.shutdown(wait=False, cancel_futures=True)
@@ -147,7 +150,7 @@ class ContinuousRunner:
   @property
   def pending(self) -> int:
     """Episodes submitted and not finished (waiting or running)."""
-    return len(self._waiting) + len(self._running)
+    return len(self._waiting) + len(self._staged) + len(self._running)
 
   @property
   def busy(self) -> bool:
@@ -156,7 +159,8 @@ class ContinuousRunner:
 
   @property
   def free_slots(self) -> int:
-    return self.slots.num_slots - len(self._running) - len(self._dropped) - len(self._waiting)
+    return (self.slots.num_slots - len(self._running) - len(self._dropped) - len(self._waiting)
+            - len(self._staged))
 
   def drop(self, select: Callable[[Hashable, int | None], bool]) -> list[Hashable]:
     """Ends every waiting or running episode for which `select(key, oldest_version)` is true (`oldest_version`:
@@ -169,16 +173,22 @@ class ContinuousRunner:
         keys.append(item[0])
       else:
         self._waiting.append(item)
+    staged, self._staged = self._staged, collections.deque()
+    for run in staged:
+      if select(run.key, None):
+        keys.append(run.key)
+      else:
+        self._staged.append(run)
     doomed = [s for s, run in self._running.items() if select(run.key, run.oldest_version)]
     if not doomed:
       return keys
-    stepping = set(self._env_steps.values())
+    stepping = {slot for slot, run in self._env_steps.values() if self._running.get(slot) is run}
     self._admissions = [a for a in self._admissions if a.slot not in doomed]
     for slot in doomed:
-      keys.append(self._running.pop(slot).key)
-      del self._rules[slot]
+      run = self._running.pop(slot)
+      keys.append(run.key)
       if slot in stepping:
-        self._dropped.add(slot)
+        self._dropped[slot] = run
       else:
         self.slots.release(slot)
     return keys
@@ -198,9 +208,14 @@ class ContinuousRunner:
     if worked:  # One call: the admissions (fused into the decode chunk where they fit), then the chunk.
       busy = sorted({int(s) for s in self.slots.active.nonzero()[0]} | {a.slot for a in admissions})
       refill = None
-      if self._waiting and not self._draining:  # Newcomers wait: end the chunk when `refill_rows` slots free up.
-        refill = min(self.refill_rows, len(self._waiting))
-      self._device_call(lambda: self.slots.step(admissions, self.decoding, refill=refill), busy)
+      waiting = len(self._waiting) + len(self._staged)
+      if waiting and not self._draining:  # Newcomers wait: end the chunk when `refill_rows` slots free up.
+        refill = min(self.refill_rows, waiting)
+      staged = [] if self._draining else list(self._staged)
+      queue = [NewEpisode(run.episode.prompt_ids, turn_budget(run.episode, self.limits), run.seed,
+                          final=_last_turn(run.episode)) for run in staged]
+      self._device_call(lambda: self.slots.step(admissions, self.decoding, refill=refill, queue=queue), busy,
+                        staged)
     if not worked and self._env_steps and not done:
       self._harvest(done, block=True)
     return done
@@ -223,6 +238,7 @@ class ContinuousRunner:
     for slot in list(self._running):
       self.slots.release(slot)
     self._waiting.clear()
+    self._staged.clear()
     self._running.clear()
     self._env_steps.clear()
     for slot in self._dropped:
@@ -239,20 +255,24 @@ class ContinuousRunner:
     if block:
       concurrent.futures.wait(list(self._env_steps), return_when=concurrent.futures.FIRST_COMPLETED)
     for fut in [f for f in self._env_steps if f.done()]:
-      slot = self._env_steps.pop(fut)
-      if slot in self._dropped:  # Its episode was dropped while the env stepped: the result is not wanted.
-        self._dropped.discard(slot)
+      slot, run = self._env_steps.pop(fut)
+      if self._dropped.get(slot) is run:  # Dropped while the env stepped: the result is not wanted.
+        del self._dropped[slot]
         self.slots.release(slot)
         continue
-      run = self._running[slot]
       obs = fut.result()  # An error escaping `absorb` (a broken env contract) stops the run, as in run_episodes.
+      holds_slot = self._running.get(slot) is run  # Else a queued episode took the slot when the last turn ended.
       if obs is None:
-        rules = self._rules.pop(slot)
-        del self._running[slot]
-        self.slots.release(slot)
-        done.append((run.key, finish(run.episode, rules)))
+        if holds_slot:
+          del self._running[slot]
+          self.slots.release(slot)
+        done.append((run.key, finish(run.episode, run.rules)))
+      elif not holds_slot:
+        raise RuntimeError(f'Episode {run.key!r}: its last turn (max_turns={run.episode.env.max_turns}) went on '
+                           'to another; its slot was refilled when it ended.')
       else:
-        self._admissions.append(Admission(slot, obs, new=False, budget=turn_budget(run.episode, self.limits)))
+        self._admissions.append(Admission(slot, obs, new=False, budget=turn_budget(run.episode, self.limits),
+                                          final=_last_turn(run.episode)))
 
   def _fill(self) -> None:
     if self.follower is not None and self.per_episode_weights:
@@ -265,16 +285,24 @@ class ContinuousRunner:
     if self._draining:
       return
     free = [s for s in range(self.slots.num_slots) if s not in self._running and s not in self._dropped]
-    while free and self._waiting:
-      key, env, seed, group_id, rules = self._waiting.popleft()
-      ep = start_episode(env, group_id, rules)
+    while free and (self._staged or self._waiting):
+      run = self._staged.popleft() if self._staged else self._start(self._waiting.popleft())
       slot = free.pop(0)
-      self._running[slot] = _Running(key, ep, seed)
-      self._rules[slot] = rules
+      self._running[slot] = run
+      ep = run.episode
       self._admissions.append(Admission(slot, ep.prompt_ids, new=True, budget=turn_budget(ep, self.limits),
-                                        seed=seed))
+                                        seed=run.seed, final=_last_turn(ep)))
+    if self.slots.device_refill:  # Offer the next ones to slots whose episode ends in the coming chunk.
+      while self._waiting and len(self._staged) < self.slots.queue_rows:
+        self._staged.append(self._start(self._waiting.popleft()))
 
-  def _device_call(self, call: Callable[[], list[SlotTokens]], slots: Sequence[int]) -> None:
+  @staticmethod
+  def _start(item: tuple[Hashable, Env, int, int, EpisodeRules]) -> _Running:
+    key, env, seed, group_id, rules = item
+    return _Running(key, start_episode(env, group_id, rules), seed, rules)
+
+  def _device_call(self, call: Callable[[], list[SlotTokens]], slots: Sequence[int],
+                   staged: Sequence[_Running] = ()) -> None:
     if self.follower is not None and not self.per_episode_weights:
       self.follower.refresh()
     t0 = time.perf_counter()
@@ -282,7 +310,13 @@ class ContinuousRunner:
     seconds = time.perf_counter() - t0
     for slot in slots:
       self._running[slot].episode.generate_seconds += seconds
+    taken = set()
     for r in results:
+      if r.queued is not None:  # A staged episode took the slot (its previous episode's turn ended above).
+        run = staged[r.queued]
+        run.episode.generate_seconds += seconds
+        self._running[r.slot] = run
+        taken.add(id(run))
       run = self._running[r.slot]
       if run.oldest_version is None:
         run.oldest_version = r.version
@@ -292,13 +326,20 @@ class ContinuousRunner:
       run.versions += [r.version] * len(r.ids)
       if r.ended:
         self._end_turn(r.slot, run)
+    if taken:
+      self._staged = collections.deque(run for run in self._staged if id(run) not in taken)
 
   def _end_turn(self, slot: int, run: _Running) -> None:
     gen = Generation(run.ids, run.logprobs, run.policy_logprobs, min(run.versions))
     run.episode.info.setdefault('token_versions', []).extend(run.versions)
     run.ids, run.logprobs, run.policy_logprobs, run.versions = [], [], [], []
-    fut = self._pool.submit(absorb, run.episode, gen, self._rules[slot])
-    self._env_steps[fut] = slot
+    fut = self._pool.submit(absorb, run.episode, gen, run.rules)
+    self._env_steps[fut] = (slot, run)
+
+
+def _last_turn(ep: Episode) -> bool:
+  """The episode's next turn is its last (`absorb` ends it after that turn whatever the env says)."""
+  return len(ep.turns) + 1 >= max(ep.env.max_turns, 1)
 
 
 def run_continuous(slots: SlotSampler, tokenizer: Tokenizer, envs: Sequence[Env], *, limits: EpisodeLimits,

@@ -155,6 +155,62 @@ class ContinuousTest(absltest.TestCase):
       np.testing.assert_allclose(g.policy_logprobs, w.policy_logprobs, atol=1e-5)
     self.assertEqual(slots.num_compiled()['prefix'], 1)
 
+  def test_device_refill_plays_the_static_sampler_episodes(self):
+    """`device_refill`: a slot whose episode's last turn ends takes the next queued episode inside the decode
+    chunk. Single-turn episodes (every turn is the last), greedy and sampled at 0.7, and three-turn ones (the
+    third is; sampled: greedy ones here end after one turn): the episodes are the static sampler's, token for
+    token (a taken episode samples with its own seed at its own positions), with their log-probs; slots were
+    refilled on the device (the longest prompt, past the queue's 16 tokens, by the host); nothing compiles after
+    the warm-up. Letters end a turn (turns of a few tokens, and three-turn episodes that reach their third)."""
+    stops = tuple('abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ')
+    env = helpers.EchoTask(self.examples, 'message', stops, 1).make_env(self.examples[0])
+    backend = rollout.SamplerBackend(self.model, stop_ids=rollout.stop_ids_for(env, self.tok), pad_id=self.tok.pad_id,
+                                     max_total_len=128, min_rows=8)
+    slots = SlotSampler(backend.sampler, num_slots=2, max_seq_len=128, stop_ids=backend.stop_ids,
+                        pad_id=self.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2,
+                        num_admit_windows=2, prefix_cache=False, device_refill=True)
+    self.assertTrue(all(slots._queue_fits(w) for w in slots.windows))
+    for params in (_GREEDY, _SAMPLED):
+      slots.warmup(params)
+    compiled = slots.num_compiled()
+    taken = []
+    step = slots.step
+
+    def counted(*args, **kwargs):
+      out = step(*args, **kwargs)
+      taken.extend(r.queued for r in out if r.queued is not None)
+      # A slot's cache holds exactly the host's count of its episode's tokens (nothing of an earlier episode).
+      held = slots.has_pending
+      np.testing.assert_array_equal(np.asarray(slots._cache.index)[held], slots.fill[held])
+      np.testing.assert_array_equal(np.asarray(slots._cache.valid).sum(1)[held], slots.fill[held])
+      return out
+
+    slots.step = counted
+    n = len(self.examples)
+    for turns, params in ((1, _GREEDY), (1, _SAMPLED), (3, _SAMPLED)):
+      task = helpers.EchoTask(self.examples, 'message', stops, turns)
+      envs = lambda order: [task.make_env(self.examples[i]) for i in order]
+      limits = rollout.EpisodeLimits(max_turns=turns, max_new_tokens=8, max_seq_len=128)
+      want = rollout.run_episodes(backend, self.tok, envs(range(n)), limits=limits, decoding=params,
+                                  seeds=list(range(n)), group_ids=list(range(n)))
+      if turns == 3:
+        self.assertGreaterEqual(sum(t.info['num_turns'] == 3 for t in want), 4, [t.info for t in want])
+      for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 4, 0, 2]):
+        with self.subTest(turns=turns, temperature=params.temperature, order=order):
+          del taken[:]
+          got = run_continuous(slots, self.tok, envs(order), limits=limits, decoding=params, seeds=list(order),
+                               group_ids=list(order), refill_rows=1)
+          self.assertNotEmpty(taken)  # Slots refilled on the device.
+          for i, g in zip(order, got):
+            w = want[i]
+            np.testing.assert_array_equal(g.tokens, w.tokens)
+            np.testing.assert_array_equal(g.action_mask, w.action_mask)
+            np.testing.assert_allclose(g.policy_logprobs, w.policy_logprobs, atol=1e-5)
+            np.testing.assert_allclose(g.behavior_logprobs, w.behavior_logprobs, atol=1e-5)
+            g.info.pop('token_versions')
+            self.assertEqual((g.group_id, g.info), (i, w.info))
+    self.assertEqual(slots.num_compiled(), compiled)
+
   def test_logprobs_are_those_of_the_plain_forward(self):
     """Sampling at temperature 0.7: behaviour = log q (tempered forward), policy = log pi (forward at T=1)."""
     got = self._continuous(range(len(self.examples)), _SAMPLED)
@@ -416,7 +472,7 @@ class ContinuousTest(absltest.TestCase):
     for _ in range(100):  # Episodes 0 and 1 start at version 4; run until episode 0's first env step is running.
       done.update(runner.step())
       # pylint: disable-next=protected-access
-      stepping_slots, running = set(runner._env_steps.values()), runner._running
+      stepping_slots, running = {s for s, _ in runner._env_steps.values()}, runner._running
       if any(run.key == 0 for s, run in running.items() if s in stepping_slots):
         self.assertTrue(stepping.wait(timeout=60), "episode 0's env step never began")
       if stepping.is_set():
