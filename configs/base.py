@@ -105,6 +105,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # prefix (a next turn's observation, a prompt's rest), one per call, is written by the decode chunk's first step
   # instead of a device call of its own (one read of the weights for both). Same tokens either way. Off: its
   # programs compile ~2x slower, for 0.99-1.12x the rollout speed on SmolLM2 multi-turn (README, Benchmarks).
+  s.device_refill = False  # Continuous: a slot whose episode's last turn ends takes the next waiting episode inside
+  # the decode chunk (its prompt written in the next step, alongside the other slots' decode step), instead of the
+  # chunk ending and the host admitting it: one host round trip per chunk, not per finished episode. Same tokens
+  # either way; its decode programs compile slower (a conditional admission step in the loop).
+  s.queue_chunk = 0  # Continuous, device_refill: the longest prompt (tokens past the shared prefix) a slot can take
+  # inside a decode chunk (longer ones are admitted between chunks); 0: the smallest admission chunk (16).
   s.compile_ahead = False  # Continuous: compile every slot program before the first episode (else each at first use).
 
   # ---- Task / environment.

@@ -408,6 +408,8 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
                            refill_rows=int(config.sampler.refill_rows) or None,
                            prefix_cache=bool(config.sampler.prefix_cache),
                            fuse_admissions=bool(config.sampler.fuse_admissions),
+                           device_refill=bool(config.sampler.device_refill),
+                           queue_chunk=int(config.sampler.queue_chunk) or None,
                            cache_sharding=cache_sharding,
                            compile_ahead=bool(config.sampler.compile_ahead),
                            # Async: episodes bound to come back too stale end in flight (counted), and newer

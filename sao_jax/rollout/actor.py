@@ -237,6 +237,10 @@ class Actor:
       (`config.sampler.prefix_cache`, see `SlotSampler`).
     fuse_admissions: continuous: short admissions are written by the decode chunk's first step
       (`config.sampler.fuse_admissions`, see `SlotSampler.step`).
+    device_refill: continuous: a slot whose episode's last turn ends takes the next episode inside the decode
+      chunk (`config.sampler.device_refill`, see `SlotSampler`).
+    queue_chunk: continuous, `device_refill`: the longest prompt past the shared prefix taken that way
+      (`config.sampler.queue_chunk`; None: the smallest chunk bucket).
     slot_sampler: an existing `SlotSampler` over `backend.sampler` to reuse.
     cache_sharding: continuous: where the slot cache's keys and values go (`SlotSampler`'s `cache_sharding`;
       the trainer's: kv heads split over the actors' mesh as `config.mesh.rules` say); None: with the weights.
@@ -254,6 +258,7 @@ class Actor:
                group_size: int = 1, episodes_per_call: int = 16, weight_switch: str = 'turn',
                step_timeout_s: float | None = None, continuous: bool = False, decode_steps: int = 16,
                refill_rows: int | None = None, prefix_cache: bool = True, fuse_admissions: bool = False,
+               device_refill: bool = False, queue_chunk: int | None = None,
                slot_sampler: SlotSampler | None = None, cache_sharding: jax.sharding.Sharding | None = None,
                max_staleness: int | None = None, compile_ahead: bool = False, wait_for_weights: bool = True):
     if weight_switch not in WEIGHT_SWITCHES:
@@ -277,7 +282,8 @@ class Actor:
       slots = slot_sampler or SlotSampler(backend.sampler, num_slots=self.prompts_per_call * self.group_size,
                           max_seq_len=limits.max_seq_len, stop_ids=backend.stop_ids, pad_id=backend.pad_id,
                           decode_steps=decode_steps, prefix_cache=prefix_cache,
-                          fuse_admissions=fuse_admissions, cache_sharding=cache_sharding)
+                          fuse_admissions=fuse_admissions, device_refill=device_refill,
+                          queue_chunk=queue_chunk, cache_sharding=cache_sharding)
       self.runner = ContinuousRunner(slots, tokenizer, limits=limits, decoding=decoding,
                                      step_timeout_s=step_timeout_s, follower=self.backend,
                                      per_episode_weights=weight_switch == 'episode', refill_rows=refill_rows)

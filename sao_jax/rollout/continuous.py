@@ -18,7 +18,10 @@ end; the host loop alternates
    (per-slot active mask); a slot whose turn ended (stop token, budget) hands the turn to the env pool and
    waits for its observation. While new episodes wait, the chunk ends as soon as `refill_rows` more slots are
    free (1: a freed slot is refilled at once; the default, a quarter of the slots, admits several together:
-   fewer device calls, each with a fixed cost, for a few idle slot-steps).
+   fewer device calls, each with a fixed cost, for a few idle slot-steps). With the sampler's `device_refill`,
+   the next waiting episodes are started (env reset, prompt) and offered to the chunk as a queue: a slot whose
+   episode's last turn ends takes one inside the chunk, and the chunk goes on; the finished episode's env step
+   runs as usual, without its slot.
 
 When no slot can decode and nothing is ready to admit, the loop waits for the first env step to finish.
 
