@@ -34,7 +34,8 @@ own write slot and RoPE positions) and two kinds of jitted programs:
   while it is marked as its episode's last (`Admission.final`: a single-turn episode's turn, a multi-turn
   episode's last) takes the next queued episode in the following step: the row is reset (empty, or the shared
   prefix's cache), its prompt is written by `decode.forward_mixed` alongside the other rows' decode step, and its
-  first token sampled; a step without a taker is a plain decode step (`lax.cond`). Without it, each finished
+  first token sampled; between such steps the loop runs plain decode steps (an inner `while_loop`, not a
+  `lax.cond` per step, which copied the window's cache every step on XLA:CPU). Without it, each finished
   episode ends its chunk and costs a host round trip: the device call's return, an admission call and the next
   chunk's call (dispatch, sync, the window's copy), which on a small model is several decode steps. The host
   splits a row's tokens between its episodes by the column each queued episode started at. The programs of
