@@ -111,6 +111,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # either way; its decode programs compile slower (a conditional admission step in the loop).
   s.queue_chunk = 0  # Continuous, device_refill: the longest prompt (tokens past the shared prefix) a slot can take
   # inside a decode chunk (longer ones are admitted between chunks); 0: the smallest admission chunk (16).
+  s.row_groups = False  # Continuous: a decode chunk of R >= 4 slots may run its R/4 longest-history slots at its
+  # attention window and the others at a window under half of it (one step, two attention groups). Same tokens
+  # either way; more decode programs (tiny model, 16 slots: 12 more per slot-row bucket). Off: measured ~1.1x on the
+  # tiny single-turn rollout (README, Benchmarks).
   s.compile_ahead = False  # Continuous: compile every slot program before the first episode (else each at first use).
 
   # ---- Task / environment.

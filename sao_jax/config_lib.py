@@ -187,6 +187,7 @@ FIELDS: dict[str, Check] = {
     'sampler.prefix_cache': Check(bool),
     'sampler.fuse_admissions': Check(bool),
     'sampler.device_refill': Check(bool),
+    'sampler.row_groups': Check(bool),
     'sampler.queue_chunk': _int(ge=0),
     # ---- task (registry.validate_task_config: name, max_turns, eval_size, kwargs by the task's options)
     'task.name': Check(str),

@@ -410,6 +410,7 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
                            fuse_admissions=bool(config.sampler.fuse_admissions),
                            device_refill=bool(config.sampler.device_refill),
                            queue_chunk=int(config.sampler.queue_chunk) or None,
+                           row_groups=bool(config.sampler.row_groups),
                            cache_sharding=cache_sharding,
                            compile_ahead=bool(config.sampler.compile_ahead),
                            # Async: episodes bound to come back too stale end in flight (counted), and newer

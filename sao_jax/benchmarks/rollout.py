@@ -3,7 +3,7 @@ r"""Rollout throughput on long-tailed episodes: static batches (`run_episodes`) 
 
   python -m sao_jax.benchmarks.rollout [--model=tiny | --hf_dir=/path/to/smollm2-hf] \
       [--episodes=128 --slots=16 --workloads=single,multi --repeats=2 --decode_steps=32 --refill_rows=1,4
-       --fuse_admissions=true,false]
+       --fuse_admissions=true,false --device_refill=false,true --row_groups=false,true]
 
 Workloads (the same episodes, the same seeds, for both runners):
 
@@ -73,6 +73,8 @@ _REFILL = flags.DEFINE_list('device_refill', ['false'], 'Continuous runs, one pe
                             'the decode chunk (true) or the host admits it between chunks (false).')
 _QUEUE_CHUNK = flags.DEFINE_integer('queue_chunk', 32, 'With --device_refill: the longest prompt (past the shared '
                                     'prefix) a queued episode may have (the tiny workload\'s prompts: <= 31 tokens).')
+_ROW_GROUPS = flags.DEFINE_list('row_groups', ['false'], 'Continuous runs, one per value (x the settings above): a '
+                                 "decode chunk runs its shorter-history slots at a smaller attention window (true).")
 _SEED = flags.DEFINE_integer('seed', 0, 'Workload and sampling seed.')
 
 
@@ -148,15 +150,16 @@ def main(argv):
                                    min_rows=slots_n)
   as_bool = lambda x: {'true': True, 'false': False}[x.lower()]
   fuses, device_refills = [as_bool(x) for x in _FUSE.value], [as_bool(x) for x in _REFILL.value]
+  groups = [as_bool(x) for x in _ROW_GROUPS.value]
+  settings = [(f, d, g) for f in fuses for d in device_refills for g in groups]
   slot_sampler = SlotSampler(backend.sampler, num_slots=slots_n, max_seq_len=max_seq_len, stop_ids=stop_ids,
                              pad_id=tok.pad_id, decode_steps=_DECODE_STEPS.value, prefix_cache=_PREFIX_CACHE.value,
                              fuse_admissions=any(fuses), device_refill=any(device_refills),
-                             queue_chunk=_QUEUE_CHUNK.value)
+                             queue_chunk=_QUEUE_CHUNK.value, row_groups=any(groups))
   t0 = time.perf_counter()
-  for fuse in fuses:  # Decode programs that carry an admission or a queue: each setting compiles its own.
-    for refill_on_device in device_refills:
-      slot_sampler.fuse_admissions, slot_sampler.device_refill = fuse, refill_on_device
-      slot_sampler.warmup(decoding)
+  for setting in settings:  # Decode programs that carry an admission, a queue or row groups: each compiles its own.
+    slot_sampler.fuse_admissions, slot_sampler.device_refill, slot_sampler.row_groups = setting
+    slot_sampler.warmup(decoding)
   print(f'# model {name}; {n} episodes, {slots_n} slots; continuous warm-up (compile) {time.perf_counter() - t0:.1f}s, '
         f'programs {slot_sampler.num_compiled()}; load average {_load_average()}')
   seeds = [rollout.episode_seed(_SEED.value, i, 0) for i in range(n)]
@@ -168,19 +171,20 @@ def main(argv):
                                   seeds=seeds[i:i + slots_n])
     return out
 
-  def run_cont(envs, refill, fuse, refill_on_device):
-    slot_sampler.fuse_admissions, slot_sampler.device_refill = fuse, refill_on_device
+  def run_cont(envs, refill, setting):
+    slot_sampler.fuse_admissions, slot_sampler.device_refill, slot_sampler.row_groups = setting
     return run_continuous(slot_sampler, tok, envs, limits=limits, decoding=decoding, seeds=seeds[:len(envs)],
                           refill_rows=refill)
 
   refills = [int(x) for x in _REFILL_ROWS.value]
   if not refills or min(refills) < 1:
     raise ValueError(f'--refill_rows must list values >= 1, got {_REFILL_ROWS.value}.')
-  run_name = lambda r, f, d: 'continuous' + ''.join(
+  run_name = lambda r, f, d, g: 'continuous' + ''.join(
       [f' refill {r}' if len(refills) > 1 else '', (' fused' if f else ' unfused') if len(fuses) > 1 else '',
-       (' device refill' if d else ' host refill') if len(device_refills) > 1 else ''])
-  runners = [('static', run_static)] + [(run_name(r, f, d), lambda envs, r=r, f=f, d=d: run_cont(envs, r, f, d))
-                                        for r in refills for f in fuses for d in device_refills]
+       (' device refill' if d else ' host refill') if len(device_refills) > 1 else '',
+       (' row groups' if g else ' one group') if len(groups) > 1 else ''])
+  runners = [('static', run_static)] + [(run_name(r, *s), lambda envs, r=r, s=s: run_cont(envs, r, s))
+                                        for r in refills for s in settings]
 
   # Where the continuous runner's time goes: device calls, decode steps run, wall and CPU seconds in each kind.
   calls = collections.defaultdict(float)

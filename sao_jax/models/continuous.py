@@ -40,11 +40,18 @@ own write slot and RoPE positions) and two kinds of jitted programs:
   chunk's call (dispatch, sync, the window's copy), which on a small model is several decode steps. The host
   splits a row's tokens between its episodes by the column each queued episode started at. The programs of
   windows too small for a queued prompt (`_queue_fits`) carry no queue.
+* **row groups** (`row_groups`): a long-tailed batch's window is set by its longest rows, and on a small model
+  attention over it is most of a step. A decode program of R >= 4 rows may run its R / 4 longest rows (the host
+  orders the rows by the slots they need) at the chunk's window and the others at a window under half of it
+  (`_short_windows`; one large enough for a queued episode when the program carries a queue): each group is cut
+  from the cache to its own window and attends over it, the projections and MLPs run over all rows at once
+  (`decode.forward_mixed` with a tuple of caches), and each group's written slots go back at the chunk's end.
 
 So the number of compiled programs is fixed by the slot count: at most `len(P buckets) x len(chunk_buckets) x
 len(admit_windows)` admit programs and `len(P buckets) x len(windows)` decode programs (with
-`fuse_admissions`, each with its fused admission; with `device_refill`, each that fits one with its queue); slots
-come and go without a recompile. The programs are
+`fuse_admissions`, each with its fused admission; with `device_refill`, each that fits one with its queue; with
+`row_groups`, one more per short window a (rows, window) program may have); slots come and go without a
+recompile. The programs are
 module-level jitted functions keyed by their static settings and shapes, so every `SlotSampler` of a process
 with the same model, slot count and lengths (two actor threads, a second trainer run) uses the same compiled
 programs: each compiles once per process (and, with a persistent compilation cache, loads from disk in the next
@@ -214,13 +221,18 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
   waiting = lambda c: c['next'] < queue.count  # Queued episodes left.
 
   def decode_tokens(c):
-    """One decode step of the active rows: (hidden [D, R], cache after it)."""
-    hidden, new = forward(st.cfg, weights, c['cache'], c['last'][:, None], c['active'][:, None])
-    return hidden, new.replace(index=jnp.where(c['active'], c['cache'].index + 1, c['cache'].index))
+    """One decode step of the active rows: (hidden [D, R], the row groups' caches after it)."""
+    if len(c['cache']) > 1:  # Each group attends over its own window.
+      hidden, _, new = forward_mixed(st.cfg, weights, c['cache'], c['last'], c['active'])
+      return hidden, new
+    (one,) = c['cache']
+    hidden, new = forward(st.cfg, weights, one, c['last'][:, None], c['active'][:, None])
+    return hidden, (new.replace(index=jnp.where(c['active'], one.index + 1, one.index)),)
 
   def plain(c):
     hidden, new = decode_tokens(c)
-    tok, lp, slp = sampling.select_tokens(last_logits(weights, hidden), c['seeds'], new.positions, st.params)
+    tok, lp, slp = sampling.select_tokens(last_logits(weights, hidden), c['seeds'], _cat(new, 'positions'),
+                                          st.params)
     return _advance(st, {**c, 'cache': new}, tok, lp, slp, c['active'])
 
   def can_take(c):
@@ -231,19 +243,21 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
     rows."""
     k, row = c['next'], jnp.argmax(c['free'])
     entry = lambda x: jax.lax.dynamic_index_in_dim(x, k, keepdims=False)
-    one = lambda x: jax.lax.dynamic_index_in_dim(x, row, keepdims=True)
-    put_row = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, row, axis=0)
-    # The row starts the new episode: empty, or holding the shared prefix in slots [0, C).
-    started = _start_rows(jax.tree.map(one, c['cache']), jnp.ones((1,), bool), entry(queue.from_prefix)[None],
-                          queue.prefix)
-    small = jax.tree.map(put_row, c['cache'], started)
+
+    def start(group, lo):  # The row starts the new episode: empty, or holding the shared prefix in [0, C).
+      at = jnp.where((row >= lo) & (row < lo + group.batch_size), row - lo, group.batch_size)[None]  # Or dropped.
+      started = _start_rows(jax.tree.map(lambda x: jnp.take(x, at, axis=0, mode='clip'), group),
+                            jnp.ones((1,), bool), entry(queue.from_prefix)[None], queue.prefix)
+      return jax.tree.map(lambda x, y: x.at[at].set(y, mode='drop'), group, started)
+
+    small = tuple(start(g, lo) for g, (lo, _, _) in zip(c['cache'], spans))
     hidden, chunk_hidden, small = forward_mixed(st.cfg, weights, small, c['last'], c['active'], row[None],
-                                                entry(queue.chunk)[None], entry(queue.valid)[None],
-                                                window=st.window)
+                                                entry(queue.chunk)[None], entry(queue.valid)[None])
     seeds = c['seeds'].at[row].set(entry(queue.seeds))
     logits = last_logits(weights, jnp.concatenate([hidden, chunk_hidden], axis=1))  # [R + 1, V]
-    keys = jnp.concatenate([small.positions, one(small.positions)])
-    tok, lp, slp = sampling.select_tokens(logits, jnp.concatenate([seeds, one(seeds)]), keys, st.params)
+    positions = _cat(small, 'positions')
+    keys = jnp.concatenate([positions, positions[row][None]])
+    tok, lp, slp = sampling.select_tokens(logits, jnp.concatenate([seeds, seeds[row][None]]), keys, st.params)
     is_row = jnp.arange(b) == row
     pick = lambda x: jnp.where(is_row, x[b], x[:b])
     c = {**c, 'cache': small, 'seeds': seeds, 'lengths': jnp.where(is_row, 0, c['lengths']),
@@ -260,16 +274,25 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
       go, idle = go | jnp.any(refill), idle & ~refill
     return (c['i'] < num_steps) & go & (jnp.sum(idle) < free_target)
 
-  w = st.window
-  rows_of = lambda x: jnp.take(x, rows, axis=0, mode='clip')
-  # The rows' windows only (a gather of [1, ..., w] blocks; `take` then a slice would copy whole rows first).
-  window = lambda x, axis: jax.vmap(lambda r: jax.lax.dynamic_slice(
-      x, (r,) + (0,) * (x.ndim - 1), (1,) + x.shape[1:axis] + (w,) + x.shape[axis + 1:])[0])(rows)
-  small = DecodeCache(k=tuple(window(x, 3) for x in cache.k), v=tuple(window(x, 2) for x in cache.v),
-                      valid=window(cache.valid, 1), index=rows_of(cache.index), positions=rows_of(cache.positions))
-  start = small.index  # [R]: a row's chunk writes slots [start, start + num_steps) at most, inside the window.
+  # The row groups (`st.split`): rows [0, R_a) attend over a window of W_a slots, the rest over `st.window`.
+  ra, wa = st.split or (b, st.window)
+  spans = [(0, ra, wa)] + ([(ra, b, st.window)] if ra < b else [])
+  if queue is not None and min(w for *_, w in spans) < queue.prefix.max_len + queue.chunk.shape[1] + num_steps:
+    raise ValueError(f'_decode_impl: row groups {spans} too small for the queue.')
+
+  def cut(lo, hi, w):
+    """Rows [lo, hi)'s windows of w slots (a gather of [1, ..., w] blocks; `take` then a slice would copy whole
+    rows first)."""
+    part = rows[lo:hi]
+    window = lambda x, axis: jax.vmap(lambda r: jax.lax.dynamic_slice(
+        x, (r,) + (0,) * (x.ndim - 1), (1,) + x.shape[1:axis] + (w,) + x.shape[axis + 1:])[0])(part)
+    rows_of = lambda x: jnp.take(x, part, axis=0, mode='clip')
+    return DecodeCache(k=tuple(window(x, 3) for x in cache.k), v=tuple(window(x, 2) for x in cache.v),
+                       valid=window(cache.valid, 1), index=rows_of(cache.index), positions=rows_of(cache.positions))
+
+  carry['cache'] = tuple(cut(*span) for span in spans)
+  start = _cat(carry['cache'], 'index')  # [R]: a row's chunk writes [start, start + num_steps) at most.
   n = num_steps
-  carry['cache'] = small
   if admit is not None:  # The first step writes the newcomers' chunks too (module docstring).
     carry, start = _fused_first_step(st, weights, admit, carry)
     n += admit.chunk.shape[1] + admit.prefix.max_len  # A newcomer row writes from its prefix on.
@@ -281,23 +304,30 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
     plain_steps = lambda c: jax.lax.while_loop(lambda c: running(c) & ~can_take(c), plain, c)
     carry = jax.lax.while_loop(lambda c: running(c) & can_take(c), lambda c: plain_steps(take(c)),
                                plain_steps(carry))
-  small = carry['cache']
   if queue is not None:  # A row that took a queued episode: its old history is gone (the window's copy says so
     # for the slots it holds; the rest of the row is marked empty here), the new one is in slots [0, m).
     took = jnp.zeros((b,), bool).at[carry['taken_row']].set(True, mode='drop')
     cache = cache.replace(valid=cache.valid.at[jnp.where(took, rows, cache.batch_size)].set(False, mode='drop'))
-  # Only those slots go back (the rest of the window is what was gathered): [R, n] cells per row and layer.
-  n = min(n, w)
-  start = jnp.minimum(start, w - n)  # A row that ended before the window's end wrote nothing past its index.
-  cache = _put_back(cache, small, rows, start, n)
-  if queue is not None:
-    m = min(queue.prefix.max_len + queue.chunk.shape[1] + num_steps, w)
-    cache = _put_back(cache, small, jnp.where(took, rows, cache.batch_size), jnp.zeros((b,), jnp.int32), m)
+  for (lo, hi, w), small in zip(spans, carry['cache']):
+    # Only the slots the chunk wrote go back (the rest of the window is what was gathered): [R, n] cells per row
+    # and layer.
+    m = min(n, w)
+    first = jnp.minimum(start[lo:hi], w - m)  # A row that ended before the window's end wrote nothing past it.
+    cache = _put_back(cache, small, rows[lo:hi], first, m)
+    if queue is not None:
+      m = min(queue.prefix.max_len + queue.chunk.shape[1] + num_steps, w)
+      cache = _put_back(cache, small, jnp.where(took[lo:hi], rows[lo:hi], cache.batch_size),
+                        jnp.zeros((hi - lo,), jnp.int32), m)
   out = (carry['tokens'], carry['lps'], carry['slps'], carry['active'], carry['lengths'], carry['last'],
          carry['i'])
   if queue is not None:
     out += (carry['taken_row'], carry['taken_at'], carry['taken_len'])
   return (_constrained(place, cache),) + out
+
+
+def _cat(groups: tuple[DecodeCache, ...], field: str) -> Array:
+  """A per-row field (`index`, `positions`) of row groups' caches, their rows in order."""
+  return jnp.concatenate([getattr(g, field) for g in groups])
 
 
 def _put_back(cache: DecodeCache, small: DecodeCache, rows: Array, start: Array, n: int) -> DecodeCache:
@@ -379,7 +409,7 @@ class Queue:
 def _fused_first_step(st: StaticSettings, weights: DecodeWeights, admit: Fused, c: dict) -> tuple[dict, Array]:
   """The decode loop's first step with the newcomers' chunks (`decode.forward_mixed`): returns the loop's carry
   after it and each row's first written slot (a new episode's row: 0)."""
-  small, r = c['cache'], c['last'].shape[0]
+  (small,), r = c['cache'], c['last'].shape[0]  # One row group (`SlotSampler` splits no fusing program).
   put = lambda x, y: x.at[admit.rows].set(y, mode='drop')
   rows_of = lambda x: jnp.take(x, admit.rows, axis=0, mode='clip')
   # A new episode's row starts empty, or with the shared prefix in slots [0, C) (in its window).
@@ -387,14 +417,14 @@ def _fused_first_step(st: StaticSettings, weights: DecodeWeights, admit: Fused, 
   start = jnp.where(put(jnp.zeros((r,), bool), admit.reset), 0, small.index)
   small = jax.tree.map(put, small, started)
   hidden, chunk_hidden, small = forward_mixed(st.cfg, weights, small, c['last'], c['active'], admit.rows,
-                                              admit.chunk, admit.valid, window=st.window)
+                                              admit.chunk, admit.valid)
   logits = last_logits(weights, jnp.concatenate([hidden, chunk_hidden], axis=1))  # [R + P, V]
   keys = jnp.concatenate([small.positions, rows_of(small.positions)])
   tok, lp, slp = sampling.select_tokens(logits, jnp.concatenate([c['seeds'], rows_of(c['seeds'])]), keys,
                                         st.params)
   newcomer = put(jnp.zeros((r,), bool), jnp.ones(admit.rows.shape, bool))
   pick = lambda x: put(x[:r], x[r:])
-  return _advance(st, {**c, 'cache': small}, pick(tok), pick(lp), pick(slp), c['active'] | newcomer), start
+  return _advance(st, {**c, 'cache': (small,)}, pick(tok), pick(lp), pick(slp), c['active'] | newcomer), start
 
 
 # The programs, shared by every SlotSampler of the process (module docstring): one compiled program per static
@@ -517,6 +547,10 @@ class SlotSampler:
       call and a decode call: dispatch, sync, the window's copy) costs several decode steps.
     queue_chunk: with `device_refill`, the longest prompt (past the shared prefix) a queued episode may have
       (the queue's static chunk length; default the smallest chunk bucket); longer ones are left to the caller.
+    row_groups: a decode program of R >= 4 rows may split them into two groups (`decode.forward_mixed`): its
+      R / 4 longest-history rows attend over the chunk's window, the others over a window under half of it
+      (`_short_windows`), so a long-tailed batch's step reads far fewer slots than R x its longest row's. More
+      decode programs (up to one per short window with each window); not with `fuse_admissions`.
     cache_sharding: where the cache's keys and values go (dims `[slots, kv_heads, ...]`; e.g. the kv heads
       over the actors' `tensor` axis, as `config.mesh.rules` split the weights' heads: the trainer passes that);
       the cache's other fields are replicated over its devices. None: where the weights are (`_placement`).
@@ -526,7 +560,7 @@ class SlotSampler:
                pad_id: int, chunk_buckets: Sequence[int] = (16, 32, 64), decode_steps: int = 16,
                num_windows: int = 8, num_admit_windows: int = 3, prefix_cache: bool = True,
                fuse_admissions: bool = False, device_refill: bool = False, queue_chunk: int | None = None,
-               cache_sharding: jax.sharding.Sharding | None = None):
+               row_groups: bool = False, cache_sharding: jax.sharding.Sharding | None = None):
     if num_slots < 1 or decode_steps < 1 or max_seq_len < 2:
       raise ValueError(f'SlotSampler: num_slots={num_slots}, decode_steps={decode_steps} and max_seq_len='
                        f'{max_seq_len} must be >= 1, 1 and 2.')
@@ -559,6 +593,9 @@ class SlotSampler:
     self.queue_chunk = int(queue_chunk) if queue_chunk else self.chunk_buckets[0]
     if not 1 <= self.queue_chunk <= self.max_seq_len:
       raise ValueError(f'SlotSampler queue_chunk={queue_chunk} must be in [1, max_seq_len={self.max_seq_len}].')
+    # Row groups (`row_groups`): the decode programs of R >= 4 rows may run their R / 4 longest rows at the
+    # chunk's window and the others at one under half of it (`_short_windows`).
+    self.row_groups = bool(row_groups)
     self.placement = self._placement(cache_sharding)
     self._cache = self._placed(_init_cache(self.cfg, self.num_slots, self.cache_len, per_row_index=True))
     # The shared prefix (module docstring): its tokens (at most the largest chunk bucket, so one call computes
@@ -627,8 +664,18 @@ class SlotSampler:
   def chunk_bucket(self, length: int) -> int:
     return next(x for x in self.chunk_buckets if length <= x)
 
-  def _static(self, params: SamplingParams, window: int) -> StaticSettings:
-    return StaticSettings(self.cfg, params, self.stop_ids, self.pad_id, window)
+  def _static(self, params: SamplingParams, window: int, split: tuple[int, int] | None = None) -> StaticSettings:
+    return StaticSettings(self.cfg, params, self.stop_ids, self.pad_id, window, split)
+
+  def _short_windows(self, rows: int, window: int) -> tuple[int, int, tuple[int, ...]]:
+    """The row groups a decode program of `rows` rows and `window` slots may have (`row_groups`): (rows of the
+    long group, rows of the short one, the short group's windows). Its R / 4 longest rows attend over `window`,
+    the others over a window under half of it (a split saves less than the second group costs otherwise: tiny
+    model, 16 rows at 352 slots: 0.33 ms a step either way as 12 at 176 and 4 at 352; at 616 slots, 0.35 against
+    0.78 ms as one group), and large enough for a queued episode when the program carries a queue."""
+    long = rows // 4 if self.row_groups and not self.fuse_admissions else 0
+    floor = self._queue_need if self._queue_fits(window) else 0
+    return long, rows - long, tuple(w for w in self.windows if 2 * w < window and w >= floor) if long else ()
 
   def _run_admit(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, chunk: np.ndarray, *args):
     self._used.add(('admit', st, rows.shape[0], chunk.shape[1]))
@@ -681,8 +728,9 @@ class SlotSampler:
     they were). Logs its progress every 30 s (SmolLM2 on a 2-core CPU: ~50 programs, minutes)."""
     snapshot = self.source.snapshot
     admits = [(p, t, w) for p in self.row_buckets for t in self.chunk_buckets for w in self.admit_windows if t <= w]
-    decodes = [(r, p, w) for r in self.row_buckets
-               for p in (self.fused_rows if self.fuse_admissions else (None,)) for w in self.windows]
+    decodes = [(r, p, w, split) for r in self.row_buckets
+               for p in (self.fused_rows if self.fuse_admissions else (None,)) for w in self.windows
+               for split in [None] + [(r - self._short_windows(r, w)[0], x) for x in self._short_windows(r, w)[2]]]
     total, done, t0 = len(admits) + len(decodes) + int(self.prefix_cache), 0, time.perf_counter()
 
     def progress():
@@ -703,12 +751,13 @@ class SlotSampler:
                                         np.zeros((p,), bool))
       progress()
     t = self.chunk_buckets[0]
-    for r, p, w in decodes:
+    for r, p, w, split in decodes:
       admit = None if p is None else Fused(np.full((p,), r, np.int32), np.zeros((p, t), np.int32),
                                            np.zeros((p, t), bool), np.zeros((p,), bool), np.zeros((p,), bool),
                                            self._no_prefix)
       zeros = np.zeros((r,), np.int32)
-      out = self._run_decode(self._static(params, w), snapshot.weights, np.full((r,), self.num_slots, np.int32),
+      out = self._run_decode(self._static(params, w, split), snapshot.weights,
+                             np.full((r,), self.num_slots, np.int32),
                              zeros, np.zeros((r,), bool), zeros, zeros, zeros.astype(np.uint32), np.int32(r + 1),
                              admit, self._queue(w, [], np.zeros((r,), bool)))
       self._cache = out[0]
@@ -875,10 +924,15 @@ class SlotSampler:
         fits.append((k, e, prompt, start))
     return fits
 
+  @property
+  def _queue_need(self) -> int:
+    """Slots a queued episode may write in a decode chunk: the prefix's, its prompt's and a chunk's steps."""
+    return self.prefix_slots + self.queue_chunk + self.decode_steps
+
   def _queue_fits(self, window: int) -> bool:
     """A decode program of this window carries the queue (`device_refill`): a taken episode's prefix, prompt and
     a chunk's steps fit in it."""
-    return self.device_refill and self.prefix_slots + self.queue_chunk + self.decode_steps <= window
+    return self.device_refill and self._queue_need <= window
 
   def _queue(self, window: int, entries: list[tuple[int, NewEpisode, list[int], int]], rows_final: np.ndarray,
              prefix: DecodeCache | None = None) -> Queue | None:
@@ -903,22 +957,30 @@ class SlotSampler:
     was_active = self.active.copy()
     if not was_active.any() and not fused:
       return []
-    # The active slots and the fused newcomers, gathered into a row bucket (padding rows point past the
-    # cache); the loop runs on their rows cut to the window, which must hold every row's chunk.
     newcomer = {a.slot: (a, c, start) for a, c, start in fused}
-    idx = np.asarray(sorted(set(np.flatnonzero(was_active).tolist()) | set(newcomer)), np.int64)
-    n, r = len(idx), next(x for x in self.row_buckets if len(idx) <= x)
-    rows = np.full((r,), self.num_slots, np.int32)
-    rows[:n] = idx
-    gather = lambda a: np.concatenate([a[idx], np.zeros((r - n,), a.dtype)])
     # Tokens a row holds before the chunk (a newcomer: its history past the admission, the chunk included).
     base = {s: (0 if a.new else int(self.fill[s])) + len(c) for s, (a, c, _) in newcomer.items()}
-    need = min(max(base.get(int(s), int(self.fill[s])) for s in idx) + self.decode_steps, self.cache_len)
+    # The active slots and the fused newcomers in order of the slots they need (the chunk's window must hold
+    # every row's history and chunk), gathered into a row bucket: padding rows (-1 here) point past the cache.
+    needs = {s: min(base.get(s, int(self.fill[s])) + self.decode_steps, self.cache_len)
+             for s in set(np.flatnonzero(was_active).tolist()) | set(newcomer)}
+    order = sorted(needs, key=lambda s: (needs[s], s))
+    n, r = len(order), next(x for x in self.row_buckets if len(order) <= x)
+    need = max(needs.values())
     if queued:  # A taken episode writes its prefix and prompt, then decodes.
-      need = max(need, self.prefix_slots + self.queue_chunk + self.decode_steps)
+      need = max(need, self._queue_need)
     window = next(w for w in self.windows if need <= w)
     if not self._queue_fits(window):
       queued = []
+    # Row groups: the longest rows last (the long group, at `window`), the others and the padding first, at the
+    # short group's window when one holds them.
+    long, short, short_windows = self._short_windows(r, window)
+    fit = [w for w in short_windows if n > long and needs[order[n - long - 1]] <= w]
+    split = (short, fit[0]) if fit else None
+    order = order[:n - long] + [-1] * (r - n) + order[n - long:] if split else order + [-1] * (r - n)
+    perm = np.asarray(order, np.int64)
+    rows = np.where(perm >= 0, perm, self.num_slots).astype(np.int32)
+    gather = lambda a: np.where(perm >= 0, a[np.maximum(perm, 0)], 0).astype(a.dtype)
     # `free_target` counts free slots of all B; the chunk counts idle rows of its R (B - n are not in it).
     target = r + 1 if free_target is None else free_target - (self.num_slots - r)
     lengths_in = self.lengths.copy()
@@ -926,7 +988,7 @@ class SlotSampler:
     admit = None
     if self.fuse_admissions:  # Every decode program of a fusing sampler has its admission (padding when none).
       t, p = self.chunk_buckets[0], next(x for x in self.fused_rows if len(fused) <= x)
-      pos = {int(s): j for j, s in enumerate(idx)}
+      pos = {s: j for j, s in enumerate(order)}
       f_rows = np.full((p,), r, np.int32)
       chunk = np.full((p, t), self.pad_id, np.int32)
       valid = np.zeros((p, t), bool)
@@ -942,25 +1004,25 @@ class SlotSampler:
       admit = Fused(f_rows, chunk, valid, reset, from_prefix, prefix)
     queue = self._queue(window, queued, gather(final),
                         self._prefix_for(snapshot) if any(start for *_, start in queued) else None)
-    out = self._run_decode(self._static(params, window), snapshot.weights, rows, gather(self.last),
+    out = self._run_decode(self._static(params, window, split), snapshot.weights, rows, gather(self.last),
                            gather(was_active), gather(lengths_in), gather(budgets), gather(seeds),
                            np.int32(target), admit, queue)
     self._cache = out[0]
     tokens, lps, slps, active, lengths, last, steps, *taken = jax.device_get(out[1:])
     self.steps_run += int(steps)
     # A row's tokens, by episode: (queue entry or None, first column, turn length before the chunk) segments.
-    segments = {j: [(None, 0, int(lengths_in[s]))] for j, s in enumerate(idx)}
+    segments = {j: [(None, 0, int(lengths_in[s]))] for j, s in enumerate(order) if s >= 0}
     ends = {}  # (row, segment index) -> the turn's length when it ended (the last segment's: `lengths`).
     if taken:
       taken_row, taken_at, taken_len = taken
       for k in range(len(queued)):
         j = int(taken_row[k])
-        if j < n:
+        if j in segments:
           ends[(j, len(segments[j]) - 1)] = int(taken_len[k])
           segments[j].append((k, int(taken_at[k]), 0))
     results = []
-    for j, s in enumerate(idx):
-      s = int(s)
+    for j in sorted(segments, key=lambda j: order[j]):  # In slot order.
+      s = order[j]
       for g, (k, col, l0) in enumerate(segments[j]):
         count = ends.get((j, g), int(lengths[j])) - l0
         last_one = g == len(segments[j]) - 1

@@ -86,6 +86,9 @@ class StaticSettings:
   stop_ids: tuple[int, ...]
   pad_id: int
   window: int  # Attention window (slots) of this call's programs, see `decode.forward`.
+  # Continuous decode programs (`sao_jax.models.continuous`): (rows, window) of the short row group, whose rows
+  # attend over a smaller window than the others' `window` (`decode.forward_mixed`'s row groups); None: one group.
+  split: tuple[int, int] | None = None
 
 
 def _select(st: StaticSettings, logits: Array, seeds: Array, key_pos: Array, n_generated: Array,

@@ -242,6 +242,8 @@ class Actor:
     queue_chunk: continuous, `device_refill`: the longest prompt past the shared prefix taken that way
       (`config.sampler.queue_chunk`; None: the smallest chunk bucket).
     slot_sampler: an existing `SlotSampler` over `backend.sampler` to reuse.
+    row_groups: continuous: decode chunks may run their shorter-history slots at a smaller attention window
+      (`config.sampler.row_groups`, see `SlotSampler`).
     cache_sharding: continuous: where the slot cache's keys and values go (`SlotSampler`'s `cache_sharding`;
       the trainer's: kv heads split over the actors' mesh as `config.mesh.rules` say); None: with the weights.
     max_staleness: continuous batching in async mode (`config.trainer.max_staleness`): episodes in flight that
@@ -258,7 +260,7 @@ class Actor:
                group_size: int = 1, episodes_per_call: int = 16, weight_switch: str = 'turn',
                step_timeout_s: float | None = None, continuous: bool = False, decode_steps: int = 16,
                refill_rows: int | None = None, prefix_cache: bool = True, fuse_admissions: bool = False,
-               device_refill: bool = False, queue_chunk: int | None = None,
+               device_refill: bool = False, queue_chunk: int | None = None, row_groups: bool = False,
                slot_sampler: SlotSampler | None = None, cache_sharding: jax.sharding.Sharding | None = None,
                max_staleness: int | None = None, compile_ahead: bool = False, wait_for_weights: bool = True):
     if weight_switch not in WEIGHT_SWITCHES:
@@ -283,7 +285,7 @@ class Actor:
                           max_seq_len=limits.max_seq_len, stop_ids=backend.stop_ids, pad_id=backend.pad_id,
                           decode_steps=decode_steps, prefix_cache=prefix_cache,
                           fuse_admissions=fuse_admissions, device_refill=device_refill,
-                          queue_chunk=queue_chunk, cache_sharding=cache_sharding)
+                          queue_chunk=queue_chunk, row_groups=row_groups, cache_sharding=cache_sharding)
       self.runner = ContinuousRunner(slots, tokenizer, limits=limits, decoding=decoding,
                                      step_timeout_s=step_timeout_s, follower=self.backend,
                                      per_episode_weights=weight_switch == 'episode', refill_rows=refill_rows)

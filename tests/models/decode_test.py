@@ -18,10 +18,14 @@ def _logits(model, tokens):
 class ForwardMixedTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
-      ('plain_tied', {}), ('bias_qknorm_untied', {'qkv_bias': True, 'qk_norm': True, 'tie_embeddings': False}))
-  def test_decode_rows_and_chunks_match_the_plain_forward(self, kw):
+      ('plain_tied', {}, False), ('bias_qknorm_untied', {'qkv_bias': True, 'qk_norm': True, 'tie_embeddings': False},
+                                  False),
+      ('row_groups', {}, True))
+  def test_decode_rows_and_chunks_match_the_plain_forward(self, kw, grouped):
     """Rows 0 and 2 decode a token, row 1 takes a 4-token continuation, row 3 (empty) a 6-token prompt, one
-    chunk entry is padding; every output and every key / value written equals the uncached forward's."""
+    chunk entry is padding; every output and every key / value written equals the uncached forward's. Grouped:
+    rows 0-1 in a cache of 12 slots, rows 2-3 in one of 32 (each attends over its own group; a chunk lands in
+    each group)."""
     cfg = config_lib.get_model_config('tiny', **kw)
     model = llama.Decoder(cfg, rngs=nnx.Rngs(0))
     if cfg.qkv_bias:  # Non-zero biases so the test sees them.
@@ -50,8 +54,16 @@ class ForwardMixedTest(parameterized.TestCase):
         chunk[j, :adds[row]] = seqs[row][history[row]:history[row] + adds[row]]
         chunk_valid[j, :adds[row]] = True
     mixed = jax.jit(decode.forward_mixed, static_argnums=0, static_argnames='window')
-    hidden, chunk_hidden, cache = mixed(cfg, weights, cache, tokens, active, chunk_rows, chunk, chunk_valid,
-                                        window=16)
+    if grouped:
+      short = decode.resize_cache(jax.tree.map(lambda x: x[:2], cache), 12)
+      groups = (short, jax.tree.map(lambda x: x[2:], cache))
+      hidden, chunk_hidden, (short, long) = mixed(cfg, weights, groups, tokens, active, chunk_rows, chunk,
+                                                  chunk_valid)
+      self.assertEqual((short.max_len, long.max_len), (12, 32))
+      cache = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), decode.resize_cache(short, 32), long)
+    else:
+      hidden, chunk_hidden, cache = mixed(cfg, weights, cache, tokens, active, chunk_rows, chunk, chunk_valid,
+                                          window=16)
     got = {i: decode.last_logits(weights, hidden)[i] for i in (0, 2)}
     got.update({3: decode.last_logits(weights, chunk_hidden)[0], 1: decode.last_logits(weights, chunk_hidden)[2]})
     longest = max(len(seq) for seq in seqs)  # Right padding: causal attention, the real positions are unchanged.

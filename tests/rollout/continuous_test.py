@@ -211,6 +211,61 @@ class ContinuousTest(absltest.TestCase):
             self.assertEqual((g.group_id, g.info), (i, w.info))
     self.assertEqual(slots.num_compiled(), compiled)
 
+  def test_row_groups_play_the_static_sampler_episodes(self):
+    """Row groups (`row_groups`): with a long episode among short ones, decode chunks run the long row at the
+    chunk's window and the others at a smaller one. Episodes of forced lengths (no stop token), sampled at 0.7:
+    two turns with host refill, one and two turns with device refill: the episodes are the static sampler's, token for token, with their log-probs; chunks ran split; a
+    slot's cache holds exactly its episode's tokens after every call (the groups' writes went back to the right
+    rows); nothing compiles after the warm-up."""
+    tok = CharTokenizer()
+    tok.stop_ids = ()
+    # The long episode starts first; short ones keep the other slots busy until the long row needs a window over
+    # twice the short ones' (192 of 256 slots against 64).
+    lengths = [150] + np.random.default_rng(0).integers(10, 40, size=18).tolist()
+    examples = [base.Example(uid=str(i), prompt=f'q{i}', answer='') for i in range(len(lengths))]
+    backend = rollout.SamplerBackend(self.model, stop_ids=(), pad_id=tok.pad_id, max_total_len=192, min_rows=4)
+    for refill in (False, True):
+      slots = SlotSampler(backend.sampler, num_slots=4, max_seq_len=192, stop_ids=(), pad_id=tok.pad_id,
+                          chunk_buckets=(16,), decode_steps=4, num_windows=4, num_admit_windows=2,
+                          prefix_cache=False, device_refill=refill, row_groups=True)
+      self.assertEqual((slots.windows, slots.row_buckets), ((64, 128, 192, 256), (1, 4)))
+      self.assertEqual(slots._short_windows(4, 192), (1, 3, (64,)))
+      slots.warmup(_SAMPLED)
+      compiled = continuous_lib.compiled_programs()
+      step, run_decode, splits, taken = slots.step, slots._run_decode, [], []
+
+      def split_runs(st, *args, run_decode=run_decode, splits=splits):
+        splits.append(st.split)
+        return run_decode(st, *args)
+
+      def checked(*args, slots=slots, step=step, taken=taken, **kwargs):
+        out = step(*args, **kwargs)
+        taken.extend(r.queued for r in out if r.queued is not None)
+        held = slots.has_pending
+        np.testing.assert_array_equal(np.asarray(slots._cache.index)[held], slots.fill[held])
+        np.testing.assert_array_equal(np.asarray(slots._cache.valid).sum(1)[held], slots.fill[held])
+        return out
+
+      slots.step, slots._run_decode = checked, split_runs
+      for turns in ((1, 2) if refill else (2,)):
+        params = _SAMPLED
+        envs = lambda: [_ForcedEnv(e, [n // turns] * turns) for e, n in zip(examples, lengths)]
+        limits = rollout.EpisodeLimits(max_turns=turns, max_new_tokens=160, max_seq_len=192)
+        seeds = list(range(len(lengths)))
+        want = rollout.run_episodes(backend, tok, envs(), limits=limits, decoding=params, seeds=seeds)
+        with self.subTest(device_refill=refill, turns=turns):
+          del splits[:], taken[:]
+          got = run_continuous(slots, tok, envs(), limits=limits, decoding=params, seeds=seeds, refill_rows=1)
+          self.assertIn((3, 64), splits)  # Chunks ran split: 3 rows at 64 slots, 1 at the chunk's window.
+          self.assertEqual(bool(taken), refill)  # With device refill, slots took episodes inside chunks.
+          for g, w in zip(got, want):
+            self.assertEqual(g.num_action_tokens, w.num_action_tokens)
+            np.testing.assert_array_equal(g.tokens, w.tokens)
+            np.testing.assert_array_equal(g.action_mask, w.action_mask)
+            np.testing.assert_allclose(g.policy_logprobs, w.policy_logprobs, atol=1e-5)
+            np.testing.assert_allclose(g.behavior_logprobs, w.behavior_logprobs, atol=1e-5)
+      self.assertEqual(continuous_lib.compiled_programs(), compiled)
+
   def test_logprobs_are_those_of_the_plain_forward(self):
     """Sampling at temperature 0.7: behaviour = log q (tempered forward), policy = log pi (forward at T=1)."""
     got = self._continuous(range(len(self.examples)), _SAMPLED)
@@ -646,6 +701,25 @@ class ContinuousTest(absltest.TestCase):
     self.assertEqual(actor.generated_tokens, sum(t.num_action_tokens for it in items for t in it))
     self.assertEqual(queue.reserved, 2 * 5 - 2 * 2)  # Every started prompt reserved its group's room.
     self.assertEqual(self.slots.num_compiled(), self.compiled)
+
+
+class _ForcedEnv(base.BaseEnv):
+  """Turns of forced lengths (their token budgets; no stop token), an observation after each but the last."""
+  observation_mode = 'inline'
+
+  def __init__(self, example, lengths):
+    super().__init__(example, max_turns=len(lengths))
+    self.lengths = lengths
+    self.budget_ends_turn = True
+
+  def turn_token_budget(self, turn):
+    return self.lengths[min(turn, len(self.lengths) - 1)]
+
+  def _step(self, action_text):
+    del action_text
+    if self.turn >= self.max_turns:
+      return base.StepResult(None, 1.0, True, {})
+    return base.StepResult(' ok. ', 0.0, False, {})
 
 
 class _HeldPublisher(actor_lib.WeightPublisher):

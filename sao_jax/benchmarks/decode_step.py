@@ -1,0 +1,84 @@
+r"""The continuous sampler's decode step with and without row groups (`SlotSampler(row_groups=True)`).
+
+  python -m sao_jax.benchmarks.decode_step [--model=smollm2-135m --rows=16 --steps=8 \
+      --cases=352,352:12@88,352:12@176,616,616:12@176]
+
+A case is `WINDOW` (one row group: every row attends over WINDOW slots) or `WINDOW:R@W` (the first R rows attend
+over W slots, the others over WINDOW). Each runs the jitted decode program (`models.continuous._decode`, the one
+`SlotSampler` runs, sampling at temperature 1, no queue) for `--steps` steps over `--rows` rows of random weights
+and a 704-slot cache, and prints milliseconds a step (the best of `--repeats` calls, after a first call that
+compiles). Long-tailed rollouts have a few rows with long histories among many short ones: their window is the
+longest row's, and on a CPU a step's attention over it is a large part of its cost.
+"""
+
+from __future__ import annotations
+
+import time
+
+from absl import app
+from absl import flags
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sao_jax.models import continuous, decode
+from sao_jax.models.config import get_model_config
+from sao_jax.models.llama import Decoder
+from sao_jax.models.sampler import StaticSettings
+from sao_jax.models.sampling import SamplingParams
+
+_MODEL = flags.DEFINE_string('model', 'smollm2-135m', 'Named model config (random weights).')
+_ROWS = flags.DEFINE_integer('rows', 16, 'Decode rows.')
+_STEPS = flags.DEFINE_integer('steps', 8, 'Decode steps per call.')
+_REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed calls per case (the best is printed).')
+_CASES = flags.DEFINE_list('cases', ['352', '352:12@88', '352:12@176', '616', '616:12@176'],
+                           'WINDOW or WINDOW:ROWS@SHORT_WINDOW (the first ROWS rows at SHORT_WINDOW slots).')
+_CACHE = 704  # Slots of the cache the rows are cut from (SmolLM2's rollout benchmark: 607-token episodes).
+
+
+def _case(text: str) -> tuple[int, tuple[int, int] | None]:
+  window, _, split = text.partition(':')
+  if not split:
+    return int(window), None
+  rows, _, short = split.partition('@')
+  return int(window), (int(rows), int(short))
+
+
+def main(argv):
+  del argv
+  cfg = get_model_config(_MODEL.value)
+  weights = jax.jit(decode.decode_weights)(Decoder(cfg, rngs=nnx.Rngs(0)))
+  r = _ROWS.value
+  rows, zeros = np.arange(r, dtype=np.int32), np.zeros((r,), np.int32)
+
+  def cache():  # Every row holds 40 tokens; the step's cost depends on the windows, not on the histories.
+    c = decode.init_cache(cfg, r, _CACHE, per_row_index=True)
+    return jax.block_until_ready(c.replace(valid=c.valid.at[:, :40].set(True), index=jnp.full((r,), 40, jnp.int32),
+                                           positions=jnp.full((r,), 40, jnp.int32)))
+
+  print(f'# {_MODEL.value} (random weights), {r} rows, {_STEPS.value} steps a call, cache {_CACHE} slots; '
+        f'{jax.devices()[0].platform}')
+  print('| case | ms a step | first call s |')
+  print('|---|---:|---:|')
+  for text in _CASES.value:
+    window, split = _case(text)
+    st = StaticSettings(cfg, SamplingParams(), (), 0, window, split)
+    run = lambda c, st=st: jax.block_until_ready(continuous._decode(  # pylint: disable=protected-access
+        st, _STEPS.value, None, weights, c, rows, zeros, np.ones((r,), bool), zeros, np.full((r,), 10 ** 6, np.int32),
+        zeros.astype(np.uint32), np.int32(r + 1), None, None))
+    t0 = time.perf_counter()
+    run(cache())
+    first = time.perf_counter() - t0
+    best = float('inf')
+    for _ in range(_REPEATS.value):
+      c = cache()
+      t0 = time.perf_counter()
+      run(c)
+      best = min(best, time.perf_counter() - t0)
+    label = f'{r} rows at {window}' if split is None else f'{split[0]} rows at {split[1]}, {r - split[0]} at {window}'
+    print(f'| {label} | {best / _STEPS.value * 1e3:.3g} | {first:.1f} |', flush=True)
+
+
+if __name__ == '__main__':
+  app.run(main)
