@@ -42,7 +42,7 @@ own write slot and RoPE positions) and two kinds of jitted programs:
   windows too small for a queued prompt (`_queue_fits`) carry no queue.
 * **row groups** (`row_groups`): a long-tailed batch's window is set by its longest rows, and on a small model
   attention over it is most of a step. A decode program of R >= 4 rows may run its R / 4 longest rows (the host
-  orders the rows by the slots they need) at the chunk's window and the others at a window under half of it
+  orders the rows by the slots they need) at the chunk's window and the others at a window of at most half of it
   (`_short_windows`; one large enough for a queued episode when the program carries a queue): each group is cut
   from the cache to its own window and attends over it, the projections and MLPs run over all rows at once
   (`decode.forward_mixed` with a tuple of caches), and each group's written slots go back at the chunk's end.
@@ -192,7 +192,8 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
   of the R rows are idle (inactive, and not about to take a queued episode: newcomers are waiting for their
   slots) or none is active.
 
-  The loop runs on a copy of the R rows cut to `st.window` slots (attention then reads only those; a loop that
+  The loop runs on a copy of the R rows cut to `st.window` slots (with `st.split`, its first rows cut to a
+  smaller window: two row groups, each attending over its own; attention then reads only those; a loop that
   writes into the whole donated cache instead measured ~1.5x slower a step on XLA:CPU, SmolLM2 at 400 slots),
   and only the slots the chunk can have written (`num_steps` from each row's index) are scattered back into the
   donated full cache: one copy of the rows' windows per chunk instead of one per step, and no work for the slots
@@ -548,7 +549,7 @@ class SlotSampler:
     queue_chunk: with `device_refill`, the longest prompt (past the shared prefix) a queued episode may have
       (the queue's static chunk length; default the smallest chunk bucket); longer ones are left to the caller.
     row_groups: a decode program of R >= 4 rows may split them into two groups (`decode.forward_mixed`): its
-      R / 4 longest-history rows attend over the chunk's window, the others over a window under half of it
+      R / 4 longest-history rows attend over the chunk's window, the others over a window of at most half of it
       (`_short_windows`), so a long-tailed batch's step reads far fewer slots than R x its longest row's. More
       decode programs (up to one per short window with each window); not with `fuse_admissions`.
     cache_sharding: where the cache's keys and values go (dims `[slots, kv_heads, ...]`; e.g. the kv heads
@@ -594,7 +595,7 @@ class SlotSampler:
     if not 1 <= self.queue_chunk <= self.max_seq_len:
       raise ValueError(f'SlotSampler queue_chunk={queue_chunk} must be in [1, max_seq_len={self.max_seq_len}].')
     # Row groups (`row_groups`): the decode programs of R >= 4 rows may run their R / 4 longest rows at the
-    # chunk's window and the others at one under half of it (`_short_windows`).
+    # chunk's window and the others at one of at most half of it (`_short_windows`).
     self.row_groups = bool(row_groups)
     self.placement = self._placement(cache_sharding)
     self._cache = self._placed(_init_cache(self.cfg, self.num_slots, self.cache_len, per_row_index=True))
@@ -670,12 +671,13 @@ class SlotSampler:
   def _short_windows(self, rows: int, window: int) -> tuple[int, int, tuple[int, ...]]:
     """The row groups a decode program of `rows` rows and `window` slots may have (`row_groups`): (rows of the
     long group, rows of the short one, the short group's windows). Its R / 4 longest rows attend over `window`,
-    the others over a window under half of it (a split saves less than the second group costs otherwise: tiny
-    model, 16 rows at 352 slots: 0.33 ms a step either way as 12 at 176 and 4 at 352; at 616 slots, 0.35 against
-    0.78 ms as one group), and large enough for a queued episode when the program carries a queue."""
+    the others over a window of at most half of it (a second group costs ops of its own: on the tiny model 16
+    rows at 352 slots and 12 at 176 with 4 at 352 take the same 0.3 ms a step, SmolLM2's shapes 102 and 88 ms;
+    at 616 slots, 0.5 against 0.3 ms and 136 against 100 ms, `benchmarks.decode_step`), and large enough for a
+    queued episode when the program carries a queue."""
     long = rows // 4 if self.row_groups and not self.fuse_admissions else 0
     floor = self._queue_need if self._queue_fits(window) else 0
-    return long, rows - long, tuple(w for w in self.windows if 2 * w < window and w >= floor) if long else ()
+    return long, rows - long, tuple(w for w in self.windows if 2 * w <= window and w >= floor) if long else ()
 
   def _run_admit(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, chunk: np.ndarray, *args):
     self._used.add(('admit', st, rows.shape[0], chunk.shape[1]))
