@@ -310,8 +310,8 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
   **Row groups.** `cache` may be a tuple of caches: the R rows are their rows in order (group g holds rows
   `[o_g, o_g + R_g)`), each group with its own slot count, so a step's attention reads `sum_g R_g S_g` slots
   instead of `R max_g S_g` (rows of short histories in a short cache, the few long ones in a long one: on
-  XLA:CPU a tiny model's 16-row step at 616 slots took 0.78 ms in one group, 0.35 ms as 12 rows at 176 slots
-  and 4 at 616). The projections and MLPs still run once over all rows.
+  XLA:CPU SmolLM2's 16-row step at 616 slots took 146 ms in one group, 107 ms as 12 rows at 176 slots and 4 at
+  616, `benchmarks.decode_step`). The projections and MLPs still run once over all rows.
 
   Args:
     cfg: model config (static).
@@ -333,7 +333,7 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
     same function as `forward` on the decode rows and on the chunks (tests compare them).
   """
   groups = cache if isinstance(cache, tuple) else (cache,)
-  sizes = [g.batch_size for g in groups]
+  sizes = [grp.batch_size for grp in groups]
   offsets = np.cumsum([0] + sizes).tolist()
   r, = tokens.shape
   if offsets[-1] != r:
@@ -347,10 +347,10 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
   chex.assert_shape(chunk_valid, (p, t))
   n, kh, g, h = cfg.num_heads, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
   dt = jnp.dtype(cfg.dtype)
-  windows = [g_.max_len if window is None else min(window, g_.max_len) for g_ in groups]
+  windows = [grp.max_len if window is None else min(window, grp.max_len) for grp in groups]
   active = active.astype(bool)
-  index = jnp.concatenate([g_.index for g_ in groups])  # [R]
-  positions = jnp.concatenate([g_.positions for g_ in groups])
+  index = jnp.concatenate([grp.index for grp in groups])  # [R]
+  positions = jnp.concatenate([grp.positions for grp in groups])
   rows_of = lambda x: jnp.take(x, chunk_rows, axis=0, mode='clip')  # The chunks' rows (padding: any row).
   chunk_index = rows_of(index)
   chunk_pos = default_positions(chunk_valid, p, t, rows_of(positions))  # [P, T]
@@ -371,7 +371,7 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
     return x.at[local[j]].set(per_row(at(x), part, chunk_index, axis), mode='drop')
 
   part = lambda x, j: x[offsets[j]:offsets[j + 1]]
-  slot_valid = [write(j, g_.valid, part(active, j)[:, None], chunk_valid, 1) for j, g_ in enumerate(groups)]
+  slot_valid = [write(j, grp.valid, part(active, j)[:, None], chunk_valid, 1) for j, grp in enumerate(groups)]
   dec_mask, chunk_mask = [], []
   for j, w in enumerate(windows):
     slots = jnp.arange(w, dtype=jnp.int32)

@@ -173,19 +173,7 @@ class ContinuousTest(absltest.TestCase):
     for params in (_GREEDY, _SAMPLED):
       slots.warmup(params)
     compiled = slots.num_compiled()
-    taken = []
-    step = slots.step
-
-    def counted(*args, **kwargs):
-      out = step(*args, **kwargs)
-      taken.extend(r.queued for r in out if r.queued is not None)
-      # A slot's cache holds exactly the host's count of its episode's tokens (nothing of an earlier episode).
-      held = slots.has_pending
-      np.testing.assert_array_equal(np.asarray(slots._cache.index)[held], slots.fill[held])
-      np.testing.assert_array_equal(np.asarray(slots._cache.valid).sum(1)[held], slots.fill[held])
-      return out
-
-    slots.step = counted
+    taken = _checked_steps(slots)
     n = len(self.examples)
     for turns, params in ((1, _GREEDY), (1, _SAMPLED), (3, _SAMPLED)):
       task = helpers.EchoTask(self.examples, 'message', stops, turns)
@@ -232,21 +220,13 @@ class ContinuousTest(absltest.TestCase):
       self.assertEqual(slots._short_windows(4, 192), (1, 3, (64,)))
       slots.warmup(_SAMPLED)
       compiled = continuous_lib.compiled_programs()
-      step, run_decode, splits, taken = slots.step, slots._run_decode, [], []
+      run_decode, splits, taken = slots._run_decode, [], _checked_steps(slots)
 
       def split_runs(st, *args, run_decode=run_decode, splits=splits):
         splits.append(st.split)
         return run_decode(st, *args)
 
-      def checked(*args, slots=slots, step=step, taken=taken, **kwargs):
-        out = step(*args, **kwargs)
-        taken.extend(r.queued for r in out if r.queued is not None)
-        held = slots.has_pending
-        np.testing.assert_array_equal(np.asarray(slots._cache.index)[held], slots.fill[held])
-        np.testing.assert_array_equal(np.asarray(slots._cache.valid).sum(1)[held], slots.fill[held])
-        return out
-
-      slots.step, slots._run_decode = checked, split_runs
+      slots._run_decode = split_runs
       for turns in ((1, 2) if refill else (2,)):
         params = _SAMPLED
         envs = lambda: [_ForcedEnv(e, [n // turns] * turns) for e, n in zip(examples, lengths)]
@@ -701,6 +681,23 @@ class ContinuousTest(absltest.TestCase):
     self.assertEqual(actor.generated_tokens, sum(t.num_action_tokens for it in items for t in it))
     self.assertEqual(queue.reserved, 2 * 5 - 2 * 2)  # Every started prompt reserved its group's room.
     self.assertEqual(self.slots.num_compiled(), self.compiled)
+
+
+def _checked_steps(slots):
+  """Checks every `slots.step` call: after it, a slot's cache holds exactly the host's count of its episode's
+  tokens (nothing of an earlier episode). Returns the list the queue entries taken on the device go to."""
+  step, taken = slots.step, []
+
+  def checked(*args, **kwargs):
+    out = step(*args, **kwargs)
+    taken.extend(r.queued for r in out if r.queued is not None)
+    held = slots.has_pending
+    np.testing.assert_array_equal(np.asarray(slots._cache.index)[held], slots.fill[held])
+    np.testing.assert_array_equal(np.asarray(slots._cache.valid).sum(1)[held], slots.fill[held])
+    return out
+
+  slots.step = checked
+  return taken
 
 
 class _ForcedEnv(base.BaseEnv):
