@@ -671,13 +671,16 @@ class SlotSampler:
   def _short_windows(self, rows: int, window: int) -> tuple[int, int, tuple[int, ...]]:
     """The row groups a decode program of `rows` rows and `window` slots may have (`row_groups`): (rows of the
     long group, rows of the short one, the short group's windows). Its R / 4 longest rows attend over `window`,
-    the others over a window of at most half of it (a second group costs ops of its own: on the tiny model 16
-    rows at 352 slots and 12 at 176 with 4 at 352 take the same 0.3 ms a step, SmolLM2's shapes 102 and 88 ms;
-    at 616 slots, 0.5 against 0.3 ms and 136 against 100 ms, `benchmarks.decode_step`), and large enough for a
-    queued episode when the program carries a queue."""
+    the others over the largest window of at most half of it (a second group costs ops of its own: on the tiny
+    model 16 rows at 352 slots and 12 at 176 with 4 at 352 take the same 0.3 ms a step, SmolLM2's shapes 97 and
+    86 ms; at 616 slots, 0.5 against 0.3 ms and 146 against 107 ms, `benchmarks.decode_step`), if it holds a
+    queued episode when the program carries a queue. One short window per window: every program is compiled code
+    in the process (XLA:CPU maps each one's code; SmolLM2 with a choice of short windows, 70 slot programs in one
+    process, ran out of memory maps at `vm.max_map_count` 65530)."""
     long = rows // 4 if self.row_groups and not self.fuse_admissions else 0
     floor = self._queue_need if self._queue_fits(window) else 0
-    return long, rows - long, tuple(w for w in self.windows if 2 * w <= window and w >= floor) if long else ()
+    short = [w for w in self.windows if 2 * w <= window and w >= floor] if long else []
+    return long, rows - long, tuple(short[-1:])
 
   def _run_admit(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, chunk: np.ndarray, *args):
     self._used.add(('admit', st, rows.shape[0], chunk.shape[1]))
