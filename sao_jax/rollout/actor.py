@@ -241,9 +241,9 @@ class Actor:
       chunk (`config.sampler.device_refill`, see `SlotSampler`).
     queue_chunk: continuous, `device_refill`: the longest prompt past the shared prefix taken that way
       (`config.sampler.queue_chunk`; None: the smallest chunk bucket).
-    slot_sampler: an existing `SlotSampler` over `backend.sampler` to reuse.
     row_groups: continuous: decode chunks may run their shorter-history slots at a smaller attention window
       (`config.sampler.row_groups`, see `SlotSampler`).
+    slot_sampler: an existing `SlotSampler` over `backend.sampler` to reuse.
     cache_sharding: continuous: where the slot cache's keys and values go (`SlotSampler`'s `cache_sharding`;
       the trainer's: kv heads split over the actors' mesh as `config.mesh.rules` say); None: with the weights.
     max_staleness: continuous batching in async mode (`config.trainer.max_staleness`): episodes in flight that
