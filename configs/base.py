@@ -115,6 +115,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # attention window and the others at the largest window of at most half of it (one step, two attention groups).
   # Same tokens either way; more decode programs (one per window and slot-row bucket). Off by default: tiny
   # single-turn rollout 2.09x static against 1.83x without, SmolLM2 2.62x against 2.52x, one run each (README).
+  # On XLA:CPU every program maps its code: SmolLM2 with device_refill and row_groups (62 slot programs) needs
+  # vm.max_map_count above the default 65530 (README, Benchmarks).
   s.compile_ahead = False  # Continuous: compile every slot program before the first episode (else each at first use).
 
   # ---- Task / environment.

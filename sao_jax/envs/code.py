@@ -35,6 +35,7 @@ from sao_jax.errors import ConfigError
 from sao_jax.envs import base
 from sao_jax.envs import datasets
 from sao_jax.envs import registry
+from sao_jax.envs import safe_eval
 from sao_jax.envs import sandbox as sandbox_lib
 
 DEFAULT_DATA = os.path.join(os.path.dirname(__file__), 'data', 'code_sample.jsonl')
@@ -297,7 +298,8 @@ def parse_assert(src: str, entry: str) -> AssertCheck:
       node / name / function `_Eval` does not know.
   """
   try:
-    tree = ast.parse(src.strip())
+    with safe_eval.PARSE_LOCK:  # Not thread-safe on CPython 3.11 (`safe_eval.PARSE_LOCK`).
+      tree = ast.parse(src.strip())
   except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
     raise UnsupportedAssert(f'not Python ({type(e).__name__})') from None
   if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):

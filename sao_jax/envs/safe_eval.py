@@ -12,8 +12,13 @@ import ast
 import fractions
 import math
 import operator
+import threading
 
 Fraction = fractions.Fraction
+
+# `ast.parse` is not thread-safe on CPython 3.11 (python/cpython#106905): two threads converting trees at once can
+# raise `SystemError: AST constructor recursion depth mismatch`; the runners step envs in thread pools.
+PARSE_LOCK = threading.Lock()
 
 
 class UnsafeExpression(ValueError):
@@ -58,7 +63,8 @@ def safe_eval(expr: str, *, max_len: int = 200, max_abs: float = 1e40, max_expon
   if expr.count('(') > max_depth:
     raise UnsafeExpression(f'more than {max_depth} parentheses')
   try:
-    tree = ast.parse(expr, mode='eval')
+    with PARSE_LOCK:
+      tree = ast.parse(expr, mode='eval')
   except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
     raise UnsafeExpression(f'malformed expression: {e.__class__.__name__}') from None
   max_bits = int(math.log2(max_abs)) + 1
