@@ -358,6 +358,7 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
   cos_c, sin_c = rope_tables(chunk_pos, rope_inv_freq(cfg))
   # A chunk's row in group j: its row there (the group's row count where it is in another group: dropped).
   local = [jnp.where((chunk_rows >= o) & (chunk_rows < o + s), chunk_rows - o, s) for o, s in zip(offsets, sizes)]
+  in_group = lambda y, j: jnp.take(y, local[j], axis=0, mode='clip')  # Each chunk's row of group j (or any).
   per_row = lambda xs, us, idx, axis: jax.vmap(
       lambda xr, ur, i: jax.lax.dynamic_update_slice_in_dim(xr, ur, i, axis=axis - 1))(xs, us, idx)
 
@@ -367,18 +368,16 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
     x = per_row(x, dec, groups[j].index, axis)
     if p == 0:
       return x
-    at = lambda y: jnp.take(y, local[j], axis=0, mode='clip')
-    return x.at[local[j]].set(per_row(at(x), part, chunk_index, axis), mode='drop')
+    return x.at[local[j]].set(per_row(in_group(x, j), part, chunk_index, axis), mode='drop')
 
   part = lambda x, j: x[offsets[j]:offsets[j + 1]]
   slot_valid = [write(j, grp.valid, part(active, j)[:, None], chunk_valid, 1) for j, grp in enumerate(groups)]
   dec_mask, chunk_mask = [], []
+  chunk_slots = chunk_index[:, None] + jnp.arange(t, dtype=jnp.int32)  # [P, T]
   for j, w in enumerate(windows):
     slots = jnp.arange(w, dtype=jnp.int32)
     dec_mask.append(slot_valid[j][:, :w] & (slots[None, :] <= groups[j].index[:, None]))  # [R_j, W_j]
-    chunk_slots = chunk_index[:, None] + jnp.arange(t, dtype=jnp.int32)  # [P, T]
-    chunk_mask.append(jnp.take(slot_valid[j], local[j], axis=0, mode='clip')[:, None, :w]
-                      & (slots[None, None, :] <= chunk_slots[:, :, None]))
+    chunk_mask.append(in_group(slot_valid[j], j)[:, None, :w] & (slots[None, None, :] <= chunk_slots[:, :, None]))
   scale = h ** -0.5
   m = r + p * t
   f = cfg.mlp_dim
@@ -413,10 +412,9 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
       k_cache, v_cache = k_cache[..., :w], v_cache[:, :, :w]
       att_d.append(_attend_one(part(qd, j).reshape(-1, kh, g, h), k_cache, v_cache, dec_mask[j], scale))
       if p:  # Each chunk attends over its own row's group.
-        at = lambda y: jnp.take(y, local[j], axis=0, mode='clip')
         here = (local[j] < sizes[j])[:, None, None, None, None]
-        att_c = jnp.where(here, _attend_chunk(qc.reshape(p, t, kh, g, h), at(k_cache), at(v_cache), chunk_mask[j],
-                                              scale), att_c)
+        att_c = jnp.where(here, _attend_chunk(qc.reshape(p, t, kh, g, h), in_group(k_cache, j), in_group(v_cache, j),
+                                              chunk_mask[j], scale), att_c)
     att = jnp.concatenate([jnp.concatenate(att_d).reshape(r, n * h), att_c.reshape(p * t, n * h)]).T  # [N H, M]
     x = x + lw.wo @ att
     y = rms_norm(x, lw.mlp_norm, cfg.norm_eps, axis=0)
