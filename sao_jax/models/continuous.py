@@ -86,10 +86,12 @@ not depend on the slot it runs in or on its neighbours; `logprobs` are temperatu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 import weakref
-from typing import Protocol, Sequence
+from typing import Callable, Hashable, Protocol, Sequence
 
 from absl import logging
 import jax
@@ -244,30 +246,16 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
     """The next queued episode into the first free row (`can_take` holds), with a decode step of the active
     rows."""
     k, row = c['next'], jnp.argmax(c['free'])
-    entry = lambda x: jax.lax.dynamic_index_in_dim(x, k, keepdims=False)
-
-    def start(group, lo):  # The row starts the new episode: empty, or holding the shared prefix in [0, C).
-      at = jnp.where((row >= lo) & (row < lo + group.batch_size), row - lo, group.batch_size)[None]  # Or dropped.
-      started = _start_rows(jax.tree.map(lambda x: jnp.take(x, at, axis=0, mode='clip'), group),
-                            jnp.ones((1,), bool), entry(queue.from_prefix)[None], queue.prefix)
-      return jax.tree.map(lambda x, y: x.at[at].set(y, mode='drop'), group, started)
-
-    small = tuple(start(g, lo) for g, (lo, _, _) in zip(c['cache'], spans))
-    hidden, chunk_hidden, small = forward_mixed(st.cfg, weights, small, c['last'], c['active'], row[None],
-                                                entry(queue.chunk)[None], entry(queue.valid)[None])
-    seeds = c['seeds'].at[row].set(entry(queue.seeds))
-    logits = last_logits(weights, jnp.concatenate([hidden, chunk_hidden], axis=1))  # [R + 1, V]
-    positions = _cat(small, 'positions')
-    keys = jnp.concatenate([positions, positions[row][None]])
-    tok, lp, slp = sampling.select_tokens(logits, jnp.concatenate([seeds, seeds[row][None]]), keys, st.params)
-    is_row = jnp.arange(b) == row
-    pick = lambda x: jnp.where(is_row, x[b], x[:b])
-    c = {**c, 'cache': small, 'seeds': seeds, 'lengths': jnp.where(is_row, 0, c['lengths']),
-         'budgets': c['budgets'].at[row].set(entry(queue.budgets)),
-         'final': c['final'].at[row].set(entry(queue.final)), 'free': c['free'] & ~is_row, 'next': k + 1,
+    entry = lambda x: jax.lax.dynamic_index_in_dim(x, k)  # [1, ...]
+    c, tok, lp, slp, is_row = _mixed_step(st, weights, spans, c, row[None], jnp.ones((1,), bool),
+                                          entry(queue.from_prefix), queue.prefix, entry(queue.chunk),
+                                          entry(queue.valid), entry(queue.seeds))
+    c = {**c, 'lengths': jnp.where(is_row, 0, c['lengths']),
+         'budgets': c['budgets'].at[row].set(entry(queue.budgets)[0]),
+         'final': c['final'].at[row].set(entry(queue.final)[0]), 'free': c['free'] & ~is_row, 'next': k + 1,
          'taken_row': c['taken_row'].at[k].set(row), 'taken_at': c['taken_at'].at[k].set(c['i']),
          'taken_len': c['taken_len'].at[k].set(c['lengths'][row])}
-    return _advance(st, c, pick(tok), pick(lp), pick(slp), c['active'] | is_row)
+    return _advance(st, c, tok, lp, slp, c['active'] | is_row)
 
   def running(c):
     go, idle = jnp.any(c['active']), ~c['active']
@@ -296,7 +284,7 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
   start = _cat(carry['cache'], 'index')  # [R]: a row's chunk writes [start, start + num_steps) at most.
   n = num_steps
   if admit is not None:  # The first step writes the newcomers' chunks too (module docstring).
-    carry, start = _fused_first_step(st, weights, admit, carry)
+    carry, start = _fused_first_step(st, weights, spans, admit, carry)
     n += admit.chunk.shape[1] + admit.prefix.max_len  # A newcomer row writes from its prefix on.
   if queue is None:
     carry = jax.lax.while_loop(running, plain, carry)
@@ -408,25 +396,47 @@ class Queue:
   prefix: DecodeCache
 
 
-def _fused_first_step(st: StaticSettings, weights: DecodeWeights, admit: Fused, c: dict) -> tuple[dict, Array]:
-  """The decode loop's first step with the newcomers' chunks (`decode.forward_mixed`): returns the loop's carry
-  after it and each row's first written slot (a new episode's row: 0)."""
-  (small,), r = c['cache'], c['last'].shape[0]  # One row group (`SlotSampler` splits no fusing program).
-  put = lambda x, y: x.at[admit.rows].set(y, mode='drop')
-  rows_of = lambda x: jnp.take(x, admit.rows, axis=0, mode='clip')
-  # A new episode's row starts empty, or with the shared prefix in slots [0, C) (in its window).
-  started = _start_rows(jax.tree.map(rows_of, small), admit.reset, admit.from_prefix, admit.prefix)
-  start = jnp.where(put(jnp.zeros((r,), bool), admit.reset), 0, small.index)
-  small = jax.tree.map(put, small, started)
-  hidden, chunk_hidden, small = forward_mixed(st.cfg, weights, small, c['last'], c['active'], admit.rows,
-                                              admit.chunk, admit.valid)
+def _mixed_step(st: StaticSettings, weights: DecodeWeights, spans: list[tuple[int, int, int]], c: dict, rows: Array,
+                reset: Array, from_prefix: Array, prefix: DecodeCache, chunk: Array, valid: Array,
+                seeds: Array | None = None) -> tuple[dict, Array, Array, Array, Array]:
+  """A decode step of the active rows that also writes chunks [P, T] into rows `rows` [P] (R: padding) and
+  samples each one's first token (`decode.forward_mixed`: one pass over the weights). The `reset` rows [P] start
+  a new episode first: empty, or holding the shared prefix (`prefix`, one row of C slots) in slots [0, C) where
+  `from_prefix`; `seeds` [P] are their sampling seeds (None: the rows keep theirs). Returns the carry with the
+  row groups' caches (`spans`: (first row, end, window) of each) and seeds after it, the tokens and log-probs of
+  all R rows (a chunk row's: its first token), and which rows took a chunk."""
+  r = c['last'].shape[0]
+
+  def start(group, lo):  # The group's reset rows (the others: dropped) start their new episode.
+    at = jnp.where(reset & (rows >= lo) & (rows < lo + group.batch_size), rows - lo, group.batch_size)
+    started = _start_rows(jax.tree.map(lambda x: jnp.take(x, at, axis=0, mode='clip'), group),
+                          jnp.ones(at.shape, bool), from_prefix, prefix)
+    return jax.tree.map(lambda x, y: x.at[at].set(y, mode='drop'), group, started)
+
+  groups = tuple(start(g, lo) for g, (lo, _, _) in zip(c['cache'], spans))
+  hidden, chunk_hidden, groups = forward_mixed(st.cfg, weights, groups, c['last'], c['active'], rows, chunk,
+                                               valid)
+  put = lambda x, y: x.at[rows].set(y, mode='drop')
+  of_rows = lambda x: jnp.take(x, rows, axis=0, mode='clip')
+  all_seeds = c['seeds'] if seeds is None else put(c['seeds'], seeds)
   logits = last_logits(weights, jnp.concatenate([hidden, chunk_hidden], axis=1))  # [R + P, V]
-  keys = jnp.concatenate([small.positions, rows_of(small.positions)])
-  tok, lp, slp = sampling.select_tokens(logits, jnp.concatenate([c['seeds'], rows_of(c['seeds'])]), keys,
-                                        st.params)
-  newcomer = put(jnp.zeros((r,), bool), jnp.ones(admit.rows.shape, bool))
+  positions = _cat(groups, 'positions')  # A chunk row's: its first token's.
+  tok, lp, slp = sampling.select_tokens(logits, jnp.concatenate([all_seeds, of_rows(all_seeds)]),
+                                        jnp.concatenate([positions, of_rows(positions)]), st.params)
   pick = lambda x: put(x[:r], x[r:])
-  return _advance(st, {**c, 'cache': (small,)}, pick(tok), pick(lp), pick(slp), c['active'] | newcomer), start
+  took = put(jnp.zeros((r,), bool), jnp.ones(rows.shape, bool))
+  return {**c, 'cache': groups, 'seeds': all_seeds}, pick(tok), pick(lp), pick(slp), took
+
+
+def _fused_first_step(st: StaticSettings, weights: DecodeWeights, spans: list[tuple[int, int, int]], admit: Fused,
+                      c: dict) -> tuple[dict, Array]:
+  """The decode loop's first step with the newcomers' chunks (`_mixed_step`): returns the loop's carry after it
+  and each row's first written slot (a new episode's row: 0)."""
+  (small,), r = c['cache'], c['last'].shape[0]  # One row group (`SlotSampler` splits no fusing program).
+  start = jnp.where(jnp.zeros((r,), bool).at[admit.rows].set(admit.reset, mode='drop'), 0, small.index)
+  c, tok, lp, slp, newcomer = _mixed_step(st, weights, spans, c, admit.rows, admit.reset, admit.from_prefix,
+                                          admit.prefix, admit.chunk, admit.valid)
+  return _advance(st, c, tok, lp, slp, c['active'] | newcomer), start
 
 
 # The programs, shared by every SlotSampler of the process (module docstring): one compiled program per static
@@ -436,6 +446,62 @@ _admit = jax.jit(_admit_impl, static_argnums=(0, 1), donate_argnums=(3,))
 _prefix = jax.jit(_prefix_impl, static_argnums=(0, 1))
 _decode = jax.jit(_decode_impl, static_argnums=(0, 1, 2), donate_argnums=(4,))
 _init_cache = jax.jit(init_cache, static_argnums=(0, 1, 2), static_argnames=('per_row_index',))
+
+
+def memory_maps() -> tuple[int, int] | None:
+  """(memory maps this process holds, the kernel's limit `vm.max_map_count`), or None where /proc has neither."""
+  try:
+    with open('/proc/sys/vm/max_map_count', encoding='ascii') as f:
+      limit = int(f.read())
+    with open('/proc/self/maps', 'rb') as f:
+      used = sum(1 for _ in f)
+  except (OSError, ValueError):
+    return None
+  return used, limit
+
+
+class CodeMaps:
+  """Keeps XLA:CPU's compiled code under the kernel's memory-map limit: a clear error instead of a crash.
+
+  XLA:CPU maps each compiled kernel's code and data on their own (SmolLM2's decode program: ~200 kernels, ~610
+  maps; its decode programs with a queue, more), and a process past `vm.max_map_count` (65530 by default) dies
+  in LLVM (`Cannot allocate memory`, then a segfault) halfway through a warm-up. Before a program new to the
+  process compiles, `compiling` checks that the maps held plus twice the most a program has added so far stay
+  under the limit, and raises a `RuntimeError` that says what to change otherwise (the program is not run: the
+  sampler's cache is not donated). `read` gives (maps held, limit) or None (no /proc: no check); tests pass a
+  fake one."""
+
+  def __init__(self, read: Callable[[], tuple[int, int] | None] = memory_maps):
+    self.read = read
+    self.per_program = 0  # The most maps one program has added.
+    self._seen: set[Hashable] = set()
+    self._lock = threading.Lock()
+
+  @contextlib.contextmanager
+  def compiling(self, key: Hashable):
+    """Around the call of the program `key` (static settings, shapes, placement): checked at its first call."""
+    with self._lock:
+      new = key not in self._seen
+    counts = self.read() if new else None
+    if counts is not None:
+      used, limit = counts
+      if used + 2 * self.per_program >= limit:
+        raise RuntimeError(
+            f'SlotSampler: the next slot program may pass the kernel\'s memory-map limit (vm.max_map_count = '
+            f'{limit}; this process holds {used} maps and a program added up to {self.per_program}): XLA:CPU maps '
+            'each compiled program\'s code, and past the limit it crashes while compiling. Raise the limit '
+            '(`sysctl -w vm.max_map_count=262144`) or use fewer slot programs (config.sampler.row_groups=False, '
+            'then device_refill=False; README, Benchmarks).')
+    yield
+    if new:
+      with self._lock:
+        self._seen.add(key)
+      after = self.read() if counts is not None else None
+      if after is not None:
+        self.per_program = max(self.per_program, after[0] - counts[0])
+
+
+CODE_MAPS = CodeMaps()  # The process's: the programs are the process's (module-level jits).
 
 
 def compiled_programs() -> dict[str, int]:
@@ -611,6 +677,8 @@ class SlotSampler:
     self._no_prefix = self._placed(_init_cache(self.cfg, 1, self.prefix_slots, per_row_index=True))
     # (kind, static settings, row bucket, chunk bucket or decode steps) of every program this instance has run.
     self._used: set[tuple] = set()
+    # What else tells a program apart in the process (`CODE_MAPS` checks a program at its first call there).
+    self._program_shapes = (self.placement, self.num_slots, self.cache_len, self.prefix_slots)
     b = self.num_slots
     self.fill = np.zeros((b,), np.int64)  # Tokens each slot holds (host mirror of cache.index).
     self.pending = np.zeros((b,), np.int32)  # Last generated token, not in the cache yet.
@@ -684,14 +752,18 @@ class SlotSampler:
     return long, rows - long, tuple(short[-1:])
 
   def _run_admit(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, chunk: np.ndarray, *args):
-    self._used.add(('admit', st, rows.shape[0], chunk.shape[1]))
-    return _admit(st, self.placement, weights, self._cache, rows, chunk, *args)
+    key = ('admit', st, rows.shape[0], chunk.shape[1])
+    self._used.add(key)
+    with CODE_MAPS.compiling(key + self._program_shapes):
+      return _admit(st, self.placement, weights, self._cache, rows, chunk, *args)
 
   def _run_prefix(self, weights: DecodeWeights, tokens: Sequence[int]) -> DecodeCache:
-    self._used.add(('prefix', self.cfg, self.prefix_slots))
+    key = ('prefix', self.cfg, self.prefix_slots)
+    self._used.add(key)
     chunk = np.full((1, self.prefix_slots), self.pad_id, np.int32)
     chunk[0, :len(tokens)] = tokens
-    return _prefix(self.cfg, self.placement, weights, chunk, np.arange(self.prefix_slots)[None] < len(tokens))
+    with CODE_MAPS.compiling(key + self._program_shapes):
+      return _prefix(self.cfg, self.placement, weights, chunk, np.arange(self.prefix_slots)[None] < len(tokens))
 
   # ---- The shared prefix.
 
@@ -723,9 +795,11 @@ class SlotSampler:
 
   def _run_decode(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, *args):
     fused, queue = args[-2:]
-    self._used.add(('decode', st, rows.shape[0], self.decode_steps, None if fused is None else fused.chunk.shape,
-                    None if queue is None else queue.chunk.shape))
-    return _decode(st, self.decode_steps, self.placement, weights, self._cache, rows, *args)
+    key = ('decode', st, rows.shape[0], self.decode_steps, None if fused is None else fused.chunk.shape,
+           None if queue is None else queue.chunk.shape)
+    self._used.add(key)
+    with CODE_MAPS.compiling(key + self._program_shapes):
+      return _decode(st, self.decode_steps, self.placement, weights, self._cache, rows, *args)
 
   # ---- Warm-up.
 

@@ -7,6 +7,7 @@ import itertools
 import threading
 import time
 import types
+from unittest import mock
 
 from absl.testing import absltest
 from flax import nnx
@@ -110,6 +111,42 @@ class ContinuousTest(absltest.TestCase):
     other.admit([Admission(0, [5, 6, 7], new=True, budget=2)], _GREEDY)
     self.assertEqual(continuous_lib.compiled_programs(), {**before, 'admit': before['admit'] + 1})
 
+  def test_a_program_past_the_memory_map_limit_raises_before_it_compiles(self):
+    """XLA:CPU maps each compiled program's code, and past `vm.max_map_count` the process crashes while
+    compiling: `CodeMaps` checks a program at its first call (maps held plus twice the most a program added)
+    and raises instead, naming the limit and the knobs; the sampler is left as it was."""
+    maps = {'used': 1000, 'limit': 65530}
+    guard = continuous_lib.CodeMaps(lambda: (maps['used'], maps['limit']))
+    with guard.compiling('a'):
+      maps['used'] += 600  # The program's code.
+    self.assertEqual(guard.per_program, 600)
+    maps['used'] = 64400  # 64400 + 2 x 600 >= 65530.
+    with guard.compiling('a'):  # Compiled already: not checked.
+      pass
+    with self.assertRaisesRegex(RuntimeError, r'vm\.max_map_count = 65530; this process holds 64400 maps and a '
+                                r'program added up to 600.*config\.sampler\.row_groups=False'):
+      with guard.compiling('b'):
+        self.fail('ran past the check')
+    maps['used'] = 64000
+    with guard.compiling('b'):
+      pass
+    self.assertEqual(guard.per_program, 600)
+
+    slots = SlotSampler(self.backend.sampler, num_slots=5, max_seq_len=128, stop_ids=self.backend.stop_ids,
+                        pad_id=self.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2,
+                        num_admit_windows=2, prefix_cache=False)
+    admission = [Admission(0, [5, 6, 7], new=True, budget=2)]
+    before = continuous_lib.compiled_programs()
+    full = continuous_lib.CodeMaps(lambda: (100, 100))
+    with mock.patch.object(continuous_lib, 'CODE_MAPS', full):
+      with self.assertRaisesRegex(RuntimeError, 'vm.max_map_count = 100'):
+        slots.admit(admission, _GREEDY)
+    self.assertEqual(continuous_lib.compiled_programs(), before)
+    self.assertFalse(slots.any_active)
+    (first,) = slots.admit(admission, _GREEDY)  # The cache was not donated to a call that did not run.
+    self.assertLen(first.ids, 1)
+    self.assertEqual(slots.fill[0], 3)
+
   def test_greedy_episodes_equal_the_static_sampler_in_any_arrival_order(self):
     n = len(self.examples)
     compiled = continuous_lib.compiled_programs()
@@ -202,9 +239,9 @@ class ContinuousTest(absltest.TestCase):
   def test_row_groups_play_the_static_sampler_episodes(self):
     """Row groups (`row_groups`): with a long episode among short ones, decode chunks run the long row at the
     chunk's window and the others at a smaller one. Episodes of forced lengths (no stop token), sampled at 0.7:
-    two turns with host refill, one and two turns with device refill: the episodes are the static sampler's, token for token, with their log-probs; chunks ran split; a
-    slot's cache holds exactly its episode's tokens after every call (the groups' writes went back to the right
-    rows); nothing compiles after the warm-up."""
+    two turns with host refill, one and two turns with device refill: the episodes are the static sampler's,
+    token for token, with their log-probs; chunks ran split; a slot's cache holds exactly its episode's tokens
+    after every call (the groups' writes went back to the right rows); nothing compiles after the warm-up."""
     tok = CharTokenizer()
     tok.stop_ids = ()
     # The long episode starts first; short ones keep the other slots busy until the long row needs a window over
