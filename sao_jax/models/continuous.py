@@ -57,7 +57,9 @@ module-level jitted functions keyed by their static settings and shapes, so ever
 with the same model, slot count and lengths (two actor threads, a second trainer run) uses the same compiled
 programs: each compiles once per process (and, with a persistent compilation cache, loads from disk in the next
 one). A program compiles at its first use (`warmup` compiles them all up front);
-`num_compiled` counts the programs an instance has used, `compiled_programs` those of the process.
+`num_compiled` counts the programs an instance has used, `compiled_programs` those of the process. XLA:CPU maps
+every compiled kernel's code on its own, and a process past the kernel's `vm.max_map_count` crashes while
+compiling: `CODE_MAPS` checks each program new to the process first and raises an error that says what to change.
 
 **Shared prefix.** New prompts usually begin with the same tokens (a chat template's system prompt and the user
 turn's header: 24 of a 38-token SmolLM2 prompt). With `prefix_cache`, the sampler learns that head from the
@@ -752,18 +754,14 @@ class SlotSampler:
     return long, rows - long, tuple(short[-1:])
 
   def _run_admit(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, chunk: np.ndarray, *args):
-    key = ('admit', st, rows.shape[0], chunk.shape[1])
-    self._used.add(key)
-    with CODE_MAPS.compiling(key + self._program_shapes):
-      return _admit(st, self.placement, weights, self._cache, rows, chunk, *args)
+    return self._call(('admit', st, rows.shape[0], chunk.shape[1]), _admit, st, self.placement, weights,
+                      self._cache, rows, chunk, *args)
 
   def _run_prefix(self, weights: DecodeWeights, tokens: Sequence[int]) -> DecodeCache:
-    key = ('prefix', self.cfg, self.prefix_slots)
-    self._used.add(key)
     chunk = np.full((1, self.prefix_slots), self.pad_id, np.int32)
     chunk[0, :len(tokens)] = tokens
-    with CODE_MAPS.compiling(key + self._program_shapes):
-      return _prefix(self.cfg, self.placement, weights, chunk, np.arange(self.prefix_slots)[None] < len(tokens))
+    return self._call(('prefix', self.cfg, self.prefix_slots), _prefix, self.cfg, self.placement, weights, chunk,
+                      np.arange(self.prefix_slots)[None] < len(tokens))
 
   # ---- The shared prefix.
 
@@ -797,9 +795,15 @@ class SlotSampler:
     fused, queue = args[-2:]
     key = ('decode', st, rows.shape[0], self.decode_steps, None if fused is None else fused.chunk.shape,
            None if queue is None else queue.chunk.shape)
-    self._used.add(key)
+    return self._call(key, _decode, st, self.decode_steps, self.placement, weights, self._cache, rows, *args)
+
+  def _call(self, key: tuple, program, *args):
+    """Runs a program (`key`: its kind, static settings and shapes) under the memory-map check (`CODE_MAPS`),
+    and counts it as used once it ran."""
     with CODE_MAPS.compiling(key + self._program_shapes):
-      return _decode(st, self.decode_steps, self.placement, weights, self._cache, rows, *args)
+      out = program(*args)
+    self._used.add(key)
+    return out
 
   # ---- Warm-up.
 

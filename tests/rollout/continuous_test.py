@@ -142,6 +142,7 @@ class ContinuousTest(absltest.TestCase):
       with self.assertRaisesRegex(RuntimeError, 'vm.max_map_count = 100'):
         slots.admit(admission, _GREEDY)
     self.assertEqual(continuous_lib.compiled_programs(), before)
+    self.assertEqual(slots.num_compiled(), {'admit': 0, 'decode': 0, 'prefix': 0})
     self.assertFalse(slots.any_active)
     (first,) = slots.admit(admission, _GREEDY)  # The cache was not donated to a call that did not run.
     self.assertLen(first.ids, 1)
