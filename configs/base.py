@@ -105,12 +105,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # prefix (a next turn's observation, a prompt's rest), one per call, is written by the decode chunk's first step
   # instead of a device call of its own (one read of the weights for both). Same tokens either way. Off: its
   # programs compile ~2x slower, for 0.99-1.12x the rollout speed on SmolLM2 multi-turn (README, Benchmarks).
-  s.device_refill = False  # Continuous: a slot whose episode's last turn ends takes the next waiting episode inside
+  s.device_refill = True  # Continuous: a slot whose episode's last turn ends takes the next waiting episode inside
   # the decode chunk (its prompt written in the next step, alongside the other slots' decode step), instead of the
   # chunk ending and the host admitting it: one host round trip per chunk, not per finished episode. Same tokens
-  # either way; its decode programs compile slower (a conditional admission step in the loop).
+  # either way. Rollouts against static batches (README, Benchmarks): tiny single-turn 1.62x vs 1.03x with host
+  # refills, SmolLM2 single-turn 2.27x vs 1.97x (same runs), SmolLM2 multi-turn 2.15x (1.91x with host refills in
+  # an earlier run). Its decode programs compile ~2x slower (a queue and a take step in the loop).
   s.queue_chunk = 0  # Continuous, device_refill: the longest prompt (tokens past the shared prefix) a slot can take
-  # inside a decode chunk (longer ones are admitted between chunks); 0: the smallest admission chunk (16).
+  # inside a decode chunk (longer ones are admitted between chunks); 0: the smallest admission chunk (16). Set it to
+  # the task's prompt length, or device refill takes nothing (a take writes this many tokens beside the decode rows).
   s.row_groups = False  # Continuous: a decode chunk of R >= 4 slots may run its R/4 longest-history slots at its
   # attention window and the others at the largest window of at most half of it (one step, two attention groups).
   # Same tokens either way; more decode programs (one per window and slot-row bucket). Off by default: tiny
