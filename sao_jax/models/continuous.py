@@ -739,9 +739,9 @@ class SlotSampler:
   def _static(self, params: SamplingParams, window: int, split: tuple[int, int] | None = None) -> StaticSettings:
     return StaticSettings(self.cfg, params, self.stop_ids, self.pad_id, window, split)
 
-  def _short_windows(self, rows: int, window: int) -> tuple[int, int, tuple[int, ...]]:
-    """The row groups a decode program of `rows` rows and `window` slots may have (`row_groups`): (rows of the
-    long group, rows of the short one, the short group's windows). Its R / 4 longest rows attend over `window`,
+  def _short_windows(self, rows: int, window: int) -> tuple[int, int] | None:
+    """The row groups a decode program of `rows` rows and `window` slots may have (`row_groups`): its split
+    (`StaticSettings.split`: the short group's rows and window), or None. Its R / 4 longest rows attend over `window`,
     the others over the largest window of at most half of it (a second group costs ops of its own: on the tiny
     model 16 rows at 352 slots and 12 at 176 with 4 at 352 take the same 0.3 ms a step, SmolLM2's shapes 97 and
     86 ms; at 616 slots, 0.5 against 0.3 ms and 146 against 107 ms, `benchmarks.decode_step`), if it holds a
@@ -751,7 +751,7 @@ class SlotSampler:
     long = rows // 4 if self.row_groups and not self.fuse_admissions else 0
     floor = self._queue_need if self._queue_fits(window) else 0
     short = [w for w in self.windows if 2 * w <= window and w >= floor] if long else []
-    return long, rows - long, tuple(short[-1:])
+    return (rows - long, short[-1]) if short else None
 
   def _run_admit(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, chunk: np.ndarray, *args):
     return self._call(('admit', st, rows.shape[0], chunk.shape[1]), _admit, st, self.placement, weights,
@@ -814,7 +814,7 @@ class SlotSampler:
     admits = [(p, t, w) for p in self.row_buckets for t in self.chunk_buckets for w in self.admit_windows if t <= w]
     decodes = [(r, p, w, split) for r in self.row_buckets
                for p in (self.fused_rows if self.fuse_admissions else (None,)) for w in self.windows
-               for split in [None] + [(r - self._short_windows(r, w)[0], x) for x in self._short_windows(r, w)[2]]]
+               for split in dict.fromkeys((None, self._short_windows(r, w)))]
     total, done, t0 = len(admits) + len(decodes) + int(self.prefix_cache), 0, time.perf_counter()
 
     def progress():
@@ -1058,9 +1058,10 @@ class SlotSampler:
       queued = []
     # Row groups: the longest rows last (the long group, at `window`), the others and the padding first, at the
     # short group's window when one holds them.
-    long, short, short_windows = self._short_windows(r, window)
-    fit = [w for w in short_windows if n > long and needs[order[n - long - 1]] <= w]
-    split = (short, fit[0]) if fit else None
+    split = self._short_windows(r, window)
+    long = r - split[0] if split else 0
+    if not (split and n > long and needs[order[n - long - 1]] <= split[1]):
+      split = None
     order = order[:n - long] + [-1] * (r - n) + order[n - long:] if split else order + [-1] * (r - n)
     perm = np.asarray(order, np.int64)
     rows = np.where(perm >= 0, perm, self.num_slots).astype(np.int32)

@@ -255,7 +255,7 @@ class ContinuousTest(absltest.TestCase):
                           chunk_buckets=(16,), decode_steps=4, num_windows=4, num_admit_windows=2,
                           prefix_cache=False, device_refill=refill, row_groups=True)
       self.assertEqual((slots.windows, slots.row_buckets), ((64, 128, 192, 256), (1, 4)))
-      self.assertEqual(slots._short_windows(4, 192), (1, 3, (64,)))
+      self.assertEqual(slots._short_windows(4, 192), (3, 64))  # 3 rows at 64 slots, 1 at 192.
       slots.warmup(_SAMPLED)
       compiled = continuous_lib.compiled_programs()
       run_decode, splits, taken = slots._run_decode, [], _checked_steps(slots)
