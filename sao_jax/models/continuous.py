@@ -251,7 +251,8 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
     entry = lambda x: jax.lax.dynamic_index_in_dim(x, k)  # [1, ...]
     c, tok, lp, slp, is_row = _mixed_step(st, weights, spans, c, row[None], jnp.ones((1,), bool),
                                           entry(queue.from_prefix), queue.prefix, entry(queue.chunk),
-                                          entry(queue.valid), entry(queue.seeds))
+                                          entry(queue.valid), entry(queue.seeds),  # A new episode: its prefix
+                                          chunk_window=queue.prefix.max_len + queue.chunk.shape[1])  # and prompt.
     c = {**c, 'lengths': jnp.where(is_row, 0, c['lengths']),
          'budgets': c['budgets'].at[row].set(entry(queue.budgets)[0]),
          'final': c['final'].at[row].set(entry(queue.final)[0]), 'free': c['free'] & ~is_row, 'next': k + 1,
@@ -400,13 +401,14 @@ class Queue:
 
 def _mixed_step(st: StaticSettings, weights: DecodeWeights, spans: list[tuple[int, int, int]], c: dict, rows: Array,
                 reset: Array, from_prefix: Array, prefix: DecodeCache, chunk: Array, valid: Array,
-                seeds: Array | None = None) -> tuple[dict, Array, Array, Array, Array]:
+                seeds: Array | None = None, chunk_window: int | None = None) -> tuple[dict, Array, Array, Array, Array]:
   """A decode step of the active rows that also writes chunks [P, T] into rows `rows` [P] (R: padding) and
   samples each one's first token (`decode.forward_mixed`: one pass over the weights). The `reset` rows [P] start
   a new episode first: empty, or holding the shared prefix (`prefix`, one row of C slots) in slots [0, C) where
-  `from_prefix`; `seeds` [P] are their sampling seeds (None: the rows keep theirs). Returns the carry with the
-  row groups' caches (`spans`: (first row, end, window) of each) and seeds after it, the tokens and log-probs of
-  all R rows (a chunk row's: its first token), and which rows took a chunk."""
+  `from_prefix`; `seeds` [P] are their sampling seeds (None: the rows keep theirs). `chunk_window` (static): the
+  chunks attend over slots [0, chunk_window) only (`forward_mixed`'s). Returns the carry with the row groups'
+  caches (`spans`: (first row, end, window) of each) and seeds after it, the tokens and log-probs of all R rows
+  (a chunk row's: its first token), and which rows took a chunk."""
   r = c['last'].shape[0]
 
   def start(group, lo):  # The group's reset rows (the others: dropped) start their new episode.
@@ -417,7 +419,7 @@ def _mixed_step(st: StaticSettings, weights: DecodeWeights, spans: list[tuple[in
 
   groups = tuple(start(g, lo) for g, (lo, _, _) in zip(c['cache'], spans))
   hidden, chunk_hidden, groups = forward_mixed(st.cfg, weights, groups, c['last'], c['active'], rows, chunk,
-                                               valid)
+                                               valid, chunk_window=chunk_window)
   put = lambda x, y: x.at[rows].set(y, mode='drop')
   of_rows = lambda x: jnp.take(x, rows, axis=0, mode='clip')
   all_seeds = c['seeds'] if seeds is None else put(c['seeds'], seeds)

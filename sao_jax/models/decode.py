@@ -297,8 +297,8 @@ def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens
 
 def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache | tuple[DecodeCache, ...],
                   tokens: Array, active: Array, chunk_rows: Array | None = None, chunk: Array | None = None,
-                  chunk_valid: Array | None = None, *,
-                  window: int | None = None) -> tuple[Array, Array | None, DecodeCache | tuple[DecodeCache, ...]]:
+                  chunk_valid: Array | None = None, *, window: int | None = None,
+                  chunk_window: int | None = None) -> tuple[Array, Array | None, DecodeCache | tuple[DecodeCache, ...]]:
   """One decode step of R rows, optionally fused with chunks written into some of them, in one pass over the
   weights; the rows may be split into groups that each attend over a window of their own.
 
@@ -325,6 +325,9 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
     chunk: int32 `[P, T]`, right-padded; `chunk_valid` bool `[P, T]` marks the real tokens.
     window: static; attend only over slots `[0, window)` of every group (needs `index + 1` and `index + T`
       inside it).
+    chunk_window: static; the chunks attend only over (and are written only into) slots `[0, chunk_window)`
+      of their rows (needs each chunk row's `index + T` inside it): a chunk that starts a new episode in a
+      row of a long window reads its prompt's slots, not the window's (the continuous sampler's queue).
 
   Returns:
     `(hidden, chunk_hidden, new_cache)`: final-norm hidden states `[D, R]` of the decode tokens and `[D, P]` of
@@ -348,6 +351,7 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
   n, kh, g, h = cfg.num_heads, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
   dt = jnp.dtype(cfg.dtype)
   windows = [grp.max_len if window is None else min(window, grp.max_len) for grp in groups]
+  chunk_windows = [w if chunk_window is None else min(chunk_window, w) for w in windows]
   active = active.astype(bool)
   index = jnp.concatenate([grp.index for grp in groups])  # [R]
   positions = jnp.concatenate([grp.positions for grp in groups])
@@ -368,16 +372,19 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
     x = per_row(x, dec, groups[j].index, axis)
     if p == 0:
       return x
-    return x.at[local[j]].set(per_row(in_group(x, j), part, chunk_index, axis), mode='drop')
+    cut = (slice(None),) * (axis - 1) + (slice(0, chunk_windows[j]),)  # The chunks' slots.
+    return x.at[(local[j],) + cut].set(per_row(in_group(x[(slice(None),) + cut], j), part, chunk_index, axis),
+                                      mode='drop')
 
   part = lambda x, j: x[offsets[j]:offsets[j + 1]]
   slot_valid = [write(j, grp.valid, part(active, j)[:, None], chunk_valid, 1) for j, grp in enumerate(groups)]
   dec_mask, chunk_mask = [], []
   chunk_slots = chunk_index[:, None] + jnp.arange(t, dtype=jnp.int32)  # [P, T]
-  for j, w in enumerate(windows):
+  for j, (w, cw) in enumerate(zip(windows, chunk_windows)):
     slots = jnp.arange(w, dtype=jnp.int32)
     dec_mask.append(slot_valid[j][:, :w] & (slots[None, :] <= groups[j].index[:, None]))  # [R_j, W_j]
-    chunk_mask.append(in_group(slot_valid[j], j)[:, None, :w] & (slots[None, None, :] <= chunk_slots[:, :, None]))
+    chunk_mask.append(in_group(slot_valid[j][:, :cw], j)[:, None]
+                      & (slots[None, None, :cw] <= chunk_slots[:, :, None]))  # [P, T, CW_j]
   scale = h ** -0.5
   m = r + p * t
   f = cfg.mlp_dim
@@ -403,18 +410,18 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
     kd, vd = kd.transpose(0, 2, 3, 1), vd.transpose(0, 2, 1, 3)
     kc, vc = kc.transpose(0, 2, 3, 1), vc.transpose(0, 2, 1, 3)
     att_d, att_c = [], jnp.zeros((p, t, kh, g, h), dt)
-    for j, (grp, w) in enumerate(zip(groups, windows)):
+    for j, (grp, w, cw) in enumerate(zip(groups, windows, chunk_windows)):
       kdt, vdt = grp.k[i].dtype, grp.v[i].dtype
       k_cache = write(j, grp.k[i], part(kd, j).astype(kdt), kc.astype(kdt), 3)
       v_cache = write(j, grp.v[i], part(vd, j).astype(vdt), vc.astype(vdt), 2)
       new_k[j].append(k_cache)
       new_v[j].append(v_cache)
-      k_cache, v_cache = k_cache[..., :w], v_cache[:, :, :w]
-      att_d.append(_attend_one(part(qd, j).reshape(-1, kh, g, h), k_cache, v_cache, dec_mask[j], scale))
+      att_d.append(_attend_one(part(qd, j).reshape(-1, kh, g, h), k_cache[..., :w], v_cache[:, :, :w], dec_mask[j],
+                               scale))
       if p:  # Each chunk attends over its own row's group.
         here = (local[j] < sizes[j])[:, None, None, None, None]
-        att_c = jnp.where(here, _attend_chunk(qc.reshape(p, t, kh, g, h), in_group(k_cache, j), in_group(v_cache, j),
-                                              chunk_mask[j], scale), att_c)
+        att_c = jnp.where(here, _attend_chunk(qc.reshape(p, t, kh, g, h), in_group(k_cache[..., :cw], j),
+                                              in_group(v_cache[:, :, :cw], j), chunk_mask[j], scale), att_c)
     att = jnp.concatenate([jnp.concatenate(att_d).reshape(r, n * h), att_c.reshape(p * t, n * h)]).T  # [N H, M]
     x = x + lw.wo @ att
     y = rms_norm(x, lw.mlp_norm, cfg.norm_eps, axis=0)

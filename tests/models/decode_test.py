@@ -1,5 +1,7 @@
 """`decode.forward_mixed` (a decode step fused with chunk writes) against the decoder's plain forward pass."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,21 +20,22 @@ def _logits(model, tokens):
 class ForwardMixedTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
-      ('plain_tied', {}, False), ('bias_qknorm_untied', {'qkv_bias': True, 'qk_norm': True, 'tie_embeddings': False},
-                                  False),
-      ('row_groups', {}, True))
-  def test_decode_rows_and_chunks_match_the_plain_forward(self, kw, grouped):
+      ('plain_tied', {}, False, None),
+      ('bias_qknorm_untied', {'qkv_bias': True, 'qk_norm': True, 'tie_embeddings': False}, False, None),
+      ('row_groups', {}, True, None), ('chunk_window', {}, False, 11), ('row_groups_chunk_window', {}, True, 11))
+  def test_decode_rows_and_chunks_match_the_plain_forward(self, kw, grouped, chunk_window):
     """Rows 0 and 2 decode a token, row 1 takes a 4-token continuation, row 3 (empty) a 6-token prompt, one
     chunk entry is padding; every output and every key / value written equals the uncached forward's. Grouped:
     rows 0-1 in a cache of 12 slots, rows 2-3 in one of 32 (each attends over its own group; a chunk lands in
-    each group)."""
+    each group). `chunk_window` 11: just row 1's chunk's end (3 + 8 slots); row 2's decode token (at slot 12)
+    still attends over its whole history."""
     cfg = config_lib.get_model_config('tiny', **kw)
     model = llama.Decoder(cfg, rngs=nnx.Rngs(0))
     if cfg.qkv_bias:  # Non-zero biases so the test sees them.
       model.layers.attn.k_bias[...] = 0.1 * jax.random.normal(jax.random.key(5), model.layers.attn.k_bias.shape)
     weights = decode.decode_weights(model)
     rng = np.random.default_rng(0)
-    history = [5, 3, 7, 0]
+    history = [5, 3, 12, 0]
     adds = [1, 4, 1, 6]  # Tokens each row gets in the fused step.
     seqs = [rng.integers(3, cfg.vocab_size, size=h + a + 1).tolist() for h, a in zip(history, adds)]
     r, t = 4, 8
@@ -53,7 +56,8 @@ class ForwardMixedTest(parameterized.TestCase):
       if row < r:
         chunk[j, :adds[row]] = seqs[row][history[row]:history[row] + adds[row]]
         chunk_valid[j, :adds[row]] = True
-    mixed = jax.jit(decode.forward_mixed, static_argnums=0, static_argnames='window')
+    mixed = functools.partial(jax.jit(decode.forward_mixed, static_argnums=0,
+                                      static_argnames=('window', 'chunk_window')), chunk_window=chunk_window)
     if grouped:
       short = decode.resize_cache(jax.tree.map(lambda x: x[:2], cache), 12)
       groups = (short, jax.tree.map(lambda x: x[2:], cache))

@@ -199,30 +199,36 @@ class ContinuousTest(absltest.TestCase):
     third is; sampled: greedy ones here end after one turn): the episodes are the static sampler's, token for
     token (a taken episode samples with its own seed at its own positions), with their log-probs; slots were
     refilled on the device (the longest prompt, past the queue's 16 tokens, by the host); nothing compiles after
-    the warm-up. Letters end a turn (turns of a few tokens, and three-turn episodes that reach their third)."""
+    the warm-up. Letters end a turn (turns of a few tokens, and three-turn episodes that reach their third).
+    Prompts with a shared head (a chat template's system prompt): a taken episode starts from the head's cache
+    in a row of a longer window and its prompt attends over the head and itself (`forward_mixed`'s
+    `chunk_window`)."""
     stops = tuple('abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ')
     env = helpers.EchoTask(self.examples, 'message', stops, 1).make_env(self.examples[0])
     backend = rollout.SamplerBackend(self.model, stop_ids=rollout.stop_ids_for(env, self.tok), pad_id=self.tok.pad_id,
                                      max_total_len=128, min_rows=8)
     slots = SlotSampler(backend.sampler, num_slots=2, max_seq_len=128, stop_ids=backend.stop_ids,
                         pad_id=self.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2,
-                        num_admit_windows=2, prefix_cache=False, device_refill=True)
+                        num_admit_windows=2, device_refill=True)
     self.assertTrue(all(slots._queue_fits(w) for w in slots.windows))
+    headed = [base.Example(uid=e.uid, prompt='Reply. ' + e.prompt, answer=e.answer) for e in self.examples]
     for params in (_GREEDY, _SAMPLED):
       slots.warmup(params)
     compiled = slots.num_compiled()
     taken = _checked_steps(slots)
     n = len(self.examples)
-    for turns, params in ((1, _GREEDY), (1, _SAMPLED), (3, _SAMPLED)):
-      task = helpers.EchoTask(self.examples, 'message', stops, turns)
-      envs = lambda order: [task.make_env(self.examples[i]) for i in order]
+    # The head first: a sampler's shared prefix is learned from its first prompts (later ones only shrink it).
+    for turns, params, examples in ((1, _GREEDY, headed), (1, _GREEDY, self.examples), (1, _SAMPLED, self.examples),
+                                    (3, _SAMPLED, self.examples)):
+      task = helpers.EchoTask(examples, 'message', stops, turns)
+      envs = lambda order: [task.make_env(examples[i]) for i in order]
       limits = rollout.EpisodeLimits(max_turns=turns, max_new_tokens=8, max_seq_len=128)
       want = rollout.run_episodes(backend, self.tok, envs(range(n)), limits=limits, decoding=params,
                                   seeds=list(range(n)), group_ids=list(range(n)))
       if turns == 3:
         self.assertGreaterEqual(sum(t.info['num_turns'] == 3 for t in want), 4, [t.info for t in want])
       for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 4, 0, 2]):
-        with self.subTest(turns=turns, temperature=params.temperature, order=order):
+        with self.subTest(turns=turns, temperature=params.temperature, head=examples is headed, order=order):
           del taken[:]
           got = run_continuous(slots, self.tok, envs(order), limits=limits, decoding=params, seeds=list(order),
                                group_ids=list(order), refill_rows=1)
@@ -235,6 +241,8 @@ class ContinuousTest(absltest.TestCase):
             np.testing.assert_allclose(g.behavior_logprobs, w.behavior_logprobs, atol=1e-5)
             g.info.pop('token_versions')
             self.assertEqual((g.group_id, g.info), (i, w.info))
+          if examples is headed:  # Taken episodes started from the head's cache.
+            self.assertGreaterEqual(len(slots.prefix), len('Reply. '))
     self.assertEqual(slots.num_compiled(), compiled)
 
   def test_row_groups_play_the_static_sampler_episodes(self):
