@@ -221,6 +221,7 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
                active=active, lengths=lengths, last=last, seeds=seeds, budgets=budgets)
   if queue is not None:
     q = queue.chunk.shape[0]
+    prompt_slots = queue.prefix.max_len + queue.chunk.shape[1]  # A taken episode's prefix and prompt: [0, this).
     carry.update(final=queue.rows_final, free=jnp.zeros((b,), bool), next=jnp.zeros((), jnp.int32),
                  taken_row=jnp.full((q,), b, jnp.int32), taken_at=jnp.zeros((q,), jnp.int32),
                  taken_len=jnp.zeros((q,), jnp.int32))
@@ -251,8 +252,7 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
     entry = lambda x: jax.lax.dynamic_index_in_dim(x, k)  # [1, ...]
     c, tok, lp, slp, is_row = _mixed_step(st, weights, spans, c, row[None], jnp.ones((1,), bool),
                                           entry(queue.from_prefix), queue.prefix, entry(queue.chunk),
-                                          entry(queue.valid), entry(queue.seeds),  # A new episode: its prefix
-                                          chunk_window=queue.prefix.max_len + queue.chunk.shape[1])  # and prompt.
+                                          entry(queue.valid), entry(queue.seeds), chunk_window=prompt_slots)
     c = {**c, 'lengths': jnp.where(is_row, 0, c['lengths']),
          'budgets': c['budgets'].at[row].set(entry(queue.budgets)[0]),
          'final': c['final'].at[row].set(entry(queue.final)[0]), 'free': c['free'] & ~is_row, 'next': k + 1,
@@ -270,7 +270,7 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
   # The row groups (`st.split`): rows [0, R_a) attend over a window of W_a slots, the rest over `st.window`.
   ra, wa = st.split or (b, st.window)
   spans = [(0, ra, wa)] + ([(ra, b, st.window)] if ra < b else [])
-  if queue is not None and min(w for *_, w in spans) < queue.prefix.max_len + queue.chunk.shape[1] + num_steps:
+  if queue is not None and min(w for *_, w in spans) < prompt_slots + num_steps:
     raise ValueError(f'_decode_impl: row groups {spans} too small for the queue.')
 
   def cut(lo, hi, w):
@@ -308,7 +308,7 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
     first = jnp.minimum(start[lo:hi], w - m)  # A row that ended before the window's end wrote nothing past it.
     cache = _put_back(cache, small, rows[lo:hi], first, m)
     if queue is not None:
-      m = min(queue.prefix.max_len + queue.chunk.shape[1] + num_steps, w)
+      m = min(prompt_slots + num_steps, w)
       cache = _put_back(cache, small, jnp.where(took[lo:hi], rows[lo:hi], cache.batch_size),
                         jnp.zeros((hi - lo,), jnp.int32), m)
   out = (carry['tokens'], carry['lps'], carry['slps'], carry['active'], carry['lengths'], carry['last'],
