@@ -26,3 +26,22 @@ def matmul_peak(sizes=(2048, 4096), reps: int = 3) -> tuple[float, dict[int, flo
       best = min(best, time.perf_counter() - t0)
     per[n] = 2 * n ** 3 / best
   return max(per.values()), per
+
+
+def memory_bandwidth(mib: int = 64, reps: int = 5, clock=time.perf_counter) -> float:
+  """This machine's memory bandwidth now, GB/s: the median of `reps` jitted, donated `x + 1` over a float32 array of
+  `mib` MiB (each reads and writes it in place: 2 x `mib` MiB of traffic), after a first call that compiles.
+
+  A probe for the conditions of a run, not a benchmark: on a shared host the memory bus is the first thing other
+  tenants slow (seen here: 12-70 GB/s within a minute), and a decode step that reads a long KV cache slows with it
+  while a matmul-bound one does not, so ratios of such runs move with it.
+  """
+  x = jnp.zeros((mib * 2 ** 20 // 4,), jnp.float32)
+  f = jax.jit(lambda a: a + 1, donate_argnums=0)  # In place: no fresh pages to fault in.
+  x = f(x).block_until_ready()
+  nbytes, times = x.nbytes, []
+  for _ in range(reps):
+    t0 = clock()
+    x = f(x).block_until_ready()
+    times.append(clock() - t0)
+  return 2 * nbytes / sorted(times)[len(times) // 2] / 1e9

@@ -18,8 +18,10 @@ The static runner plays `--slots` episodes at a time, turn by turn (a turn waits
 slowest of the batch's env steps, which run concurrently); the continuous runner keeps `--slots` decode slots busy
 and steps envs in a thread pool. Figures: completed episodes/s and generated (action) tokens/s, median of
 `--repeats` interleaved runs after one warm-up run of each (compilation excluded), with the machine's load average
-printed alongside, and the process CPU seconds of each (on a machine loaded by others the CPU ratio is the steadier
-figure). The continuous runner runs once per `--refill_rows` value (free slots a decode chunk waits for while
+printed alongside, the process CPU seconds of each (on a machine loaded by others the CPU ratio is the steadier
+figure) and the memory bandwidth measured just before each run (`common.memory_bandwidth`, the median of the
+runner's runs: on a shared host it moves several-fold within minutes, and a decode step over a long KV cache moves
+with it). The continuous runner runs once per `--refill_rows` value (free slots a decode chunk waits for while
 episodes wait: 1 refills a slot at once), interleaved with the static runs; a line per run says its decode steps,
 chunks, admissions and the wall and CPU seconds in each kind of device call. The continuous runner starts new
 episodes from the cache of the prompts' shared head (`--prefix_cache`, on by default: the chat template's system
@@ -40,6 +42,7 @@ from flax import nnx
 import numpy as np
 
 from sao_jax import rollout
+from sao_jax.benchmarks import common
 from sao_jax.envs import base
 from sao_jax.models.config import get_model_config
 from sao_jax.models.continuous import SlotSampler
@@ -207,8 +210,8 @@ def main(argv):
   slot_sampler._decode = counted('decode', slot_sampler._decode)  # pylint: disable=protected-access
 
   rng = np.random.default_rng(_SEED.value)
-  print('| workload | runner | episodes/s | generated tok/s | wall s | speed-up | CPU s | CPU speed-up | load |')
-  print('|---|---|---|---|---|---|---|---|---|')
+  print('| workload | runner | episodes/s | generated tok/s | wall s | speed-up | CPU s | CPU speed-up | load | mem GB/s |')
+  print('|---|---|---|---|---|---|---|---|---|---|')
   for kind in _WORKLOADS.value:
     work = _workload(kind, n, rng)
     runs = {label: [] for label, _ in runners}
@@ -217,13 +220,14 @@ def main(argv):
       for label, fn in runners:
         envs = _envs(work, prompts)
         calls.clear()
+        bandwidth = common.memory_bandwidth() if r else 0.0  # The conditions of the run (`common`).
         t0, c0 = time.perf_counter(), time.process_time()
         trajs = fn(envs)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         tokens = sum(t.num_action_tokens for t in trajs)
         if r == 0:
           continue  # Warm-up (compiles the static sampler's programs).
-        runs[label].append((wall, tokens, cpu))
+        runs[label].append((wall, tokens, cpu, bandwidth))
         if label != 'static':
           print(f'# {kind} {label} run {r}: {calls["decode_steps"]:.0f} decode steps in {calls["decode_calls"]:.0f} '
                 f'chunks ({calls["fused"]:.0f} admissions fused into them, {calls["queued"]:.0f} episodes started in '
@@ -244,8 +248,9 @@ def main(argv):
       wall = statistics.median(v[0] for v in vals)
       toks = statistics.median(v[1] for v in vals)
       cpu = statistics.median(v[2] for v in vals)
+      bandwidth = statistics.median(v[3] for v in vals)
       print(f'| {kind} | {label} | {n / wall:.2f} | {toks / wall:.0f} | {wall:.2f} | {base_wall / wall:.2f}x '
-            f'| {cpu:.2f} | {base_cpu / cpu:.2f}x | {load} |')
+            f'| {cpu:.2f} | {base_cpu / cpu:.2f}x | {load} | {bandwidth:.0f} |')
   print(f'# continuous programs after the runs: {slot_sampler.num_compiled()} (no recompiles when unchanged); '
         f'static sampler programs: {backend.sampler.num_compiled()}; shared prompt prefix: '
         f'{len(slot_sampler.prefix)} tokens (--prefix_cache={_PREFIX_CACHE.value})')
