@@ -32,9 +32,10 @@ def memory_bandwidth(mib: int = 64, reps: int = 5, clock=time.perf_counter) -> f
   """This machine's memory bandwidth now, GB/s: the median of `reps` jitted, donated `x + 1` over a float32 array of
   `mib` MiB (each reads and writes it in place: 2 x `mib` MiB of traffic), after a first call that compiles.
 
-  A probe for the conditions of a run, not a benchmark: on a shared host the memory bus is the first thing other
-  tenants slow (seen here: 12-70 GB/s within a minute), and a decode step that reads a long KV cache slows with it
-  while a matmul-bound one does not, so ratios of such runs move with it.
+  A probe for the conditions of a run, not a benchmark: on a shared host other tenants slow the memory bus (seen
+  here: an in-place add over 16 MB took 0.23-1.34 ms within a minute while a 256 x 256 matmul held within 10%),
+  and a decode step that reads a long KV cache slows with it while a matmul-bound one does not, so ratios of such
+  runs move with it.
   """
   x = jnp.zeros((mib * 2 ** 20 // 4,), jnp.float32)
   f = jax.jit(lambda a: a + 1, donate_argnums=0)  # In place: no fresh pages to fault in.
