@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import jax
@@ -37,12 +38,15 @@ def memory_bandwidth(mib: int = 64, reps: int = 5, clock=time.perf_counter) -> f
   and a decode step that reads a long KV cache slows with it while a matmul-bound one does not, so ratios of such
   runs move with it.
   """
-  x = jnp.zeros((mib * 2 ** 20 // 4,), jnp.float32)
-  f = jax.jit(lambda a: a + 1, donate_argnums=0)  # In place: no fresh pages to fault in.
-  x = f(x).block_until_ready()
+  x = _add_one(jnp.zeros((mib * 2 ** 20 // 4,), jnp.float32)).block_until_ready()
   nbytes, times = x.nbytes, []
   for _ in range(reps):
     t0 = clock()
-    x = f(x).block_until_ready()
+    x = _add_one(x).block_until_ready()
     times.append(clock() - t0)
-  return 2 * nbytes / sorted(times)[len(times) // 2] / 1e9
+  return 2 * nbytes / statistics.median(times) / 1e9
+
+
+# `memory_bandwidth`'s kernel, in place (no fresh pages to fault in); one program per array size for the process,
+# not one per call (the rollout benchmark probes before every run).
+_add_one = jax.jit(lambda a: a + 1, donate_argnums=0)
