@@ -50,6 +50,7 @@ __all__ = ['ConfigError', 'FIELDS', 'leaf_paths', 'validate']
 TRAINER_MODES = ('sync', 'async')  # sync: generate then train (on-policy); async: sampler threads + queue.
 HF_MODEL = 'hf'  # config.model.name of a model read from config.model.hf_dir.
 TOKENIZERS = ('char', 'hf')  # Or a directory with tokenizer.json.
+MATMUL_PRECISIONS = ('default', 'high', 'highest')  # config.model.matmul_precision: jax_default_matmul_precision.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +172,7 @@ FIELDS: dict[str, Check] = {
     'model.dtype': Check(str),
     'model.tokenizer': Check(str),
     'model.remat': Check(bool),
+    'model.matmul_precision': _choice(MATMUL_PRECISIONS),
     # ---- sampler
     'sampler.temperature': _float(gt=0.0),
     'sampler.top_p': _float(gt=0.0, le=1.0),

@@ -281,6 +281,7 @@ def with_eval_file(config, path: str):
 
 def main(argv: Sequence[str]) -> None:
   from absl import app  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
   from sao_jax import config_lib  # pylint: disable=g-import-not-at-top
   from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
   if len(argv) > 1:
@@ -303,6 +304,7 @@ def main(argv: Sequence[str]) -> None:
   except (FileNotFoundError, ValueError, config_lib.ConfigError) as e:
     task.close()
     sys.exit(f'FATAL cannot load the model: {e}')
+  jax.config.update('jax_default_matmul_precision', config.model.matmul_precision)  # As the trainer's run.
   output = f['output'].value or f'eval_{task.name}.jsonl'
   try:
     run = run_eval(

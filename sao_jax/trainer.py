@@ -321,15 +321,19 @@ def run(config: Any) -> dict[str, Any]:
   """
   stop = _StopFlag()
   stop.install()
+  precision = jax.config.jax_default_matmul_precision  # _run sets the run's (config.model.matmul_precision).
   try:
     return _run(config, stop)
   finally:
     stop.uninstall()
+    jax.config.update('jax_default_matmul_precision', precision)
 
 
 def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
   t_start = time.perf_counter()
   config = config_lib.validate(config, for_run=True, log=False)
+  # Process-wide, not a `with` block: the actors' threads trace their programs too (jax's contexts are per thread).
+  jax.config.update('jax_default_matmul_precision', config.model.matmul_precision)
   tr = config.trainer
   if not config.workdir:
     raise ConfigError("config.workdir='': the trainer needs a work directory (--workdir).")

@@ -161,6 +161,7 @@ class BadConfigTest(parameterized.TestCase):
       ('process_id_negative', {'distributed.process_id': -1}, 'distributed.process_id'),
       ('model_gpt5', {'model.name': 'gpt5'}, 'model.name'),
       ('model_dtype', {'model.dtype': 'float16'}, 'model.dtype'),
+      ('matmul_precision', {'model.matmul_precision': 'tf32'}, 'model.matmul_precision'),
       ('tokenizer_sentencepiece', {'model.tokenizer': 'sentencepiece'}, 'model.tokenizer'),
       ('tokenizer_hf_without_dir', {'model.tokenizer': 'hf'}, 'model.hf_dir'),
       ('hf_dir_missing', {'model.hf_dir': '/no/such/dir'}, 'model.hf_dir'),

@@ -3,8 +3,10 @@
 import json
 import os
 import tempfile
+from unittest import mock
 
 from absl.testing import absltest
+import jax
 import numpy as np
 
 from configs import arith
@@ -14,10 +16,11 @@ from sao_jax import trainer
 from sao_jax.errors import ConfigError
 
 
-def tiny_config(workdir, **trainer_kw):
+def tiny_config(workdir, matmul_precision='default', **trainer_kw):
   c = arith.get_config('1')
   c.workdir = workdir
   c.model.name = 'tiny'
+  c.model.matmul_precision = matmul_precision
   c.sft.steps = 0  # No warm start (configs/arith.py has one): these tests are about the loop.
   c.task.eval_size = 4
   c.sampler.batch_size = 8
@@ -42,7 +45,13 @@ class TrainerTest(absltest.TestCase):
 
   def test_sync_run_trains_checkpoints_and_resumes_exactly(self):
     workdir = tempfile.mkdtemp()
-    summary = trainer.run(tiny_config(workdir, mode='sync'))
+    before = jax.config.jax_default_matmul_precision
+    config = tiny_config(workdir, 'highest', mode='sync')  # (Any precision: the CPU computes float32 in full.)
+    with mock.patch.object(jax.config, 'update', wraps=jax.config.update) as update:
+      summary = trainer.run(config)
+    # The run's programs were traced under the config's precision, and the process's is back after the run.
+    update.assert_any_call('jax_default_matmul_precision', 'highest')
+    self.assertEqual(jax.config.jax_default_matmul_precision, before)
     self.assertEqual(summary['steps'], 2)
     self.assertEqual(summary['trajectories'], 16)
     rows = metrics.read_metrics(workdir)
@@ -65,7 +74,7 @@ class TrainerTest(absltest.TestCase):
     lines[1]['dropped/pack'] = 1000
     with open(path, 'w', encoding='utf-8') as f:
       f.writelines(json.dumps(r) + '\n' for r in lines)
-    summary = trainer.run(tiny_config(workdir, mode='sync', num_steps=3))
+    summary = trainer.run(tiny_config(workdir, 'highest', mode='sync', num_steps=3))
     self.assertEqual(summary['steps'], 3)
     self.assertEqual(summary['trajectories'], 24)
     rows = metrics.read_metrics(workdir)
@@ -77,7 +86,7 @@ class TrainerTest(absltest.TestCase):
       self.assertEqual(ckpt.restore(3, items=('data',)).data['prompts']['taken'], 24)
 
     # A changed config is refused on resume, the differing field named (the workdir is left as it was).
-    changed = tiny_config(workdir, mode='sync', num_steps=4)
+    changed = tiny_config(workdir, 'highest', mode='sync', num_steps=4)
     changed.algo.eps_high = 3.0
     with self.assertRaisesRegex(ConfigError, 'algo.eps_high'):
       trainer.run(changed)
@@ -85,7 +94,7 @@ class TrainerTest(absltest.TestCase):
 
     # The resumed step equals an uninterrupted run's step 3 (same data, same weights).
     straight = tempfile.mkdtemp()
-    trainer.run(tiny_config(straight, mode='sync', num_steps=3, checkpoint_every=0))
+    trainer.run(tiny_config(straight, 'highest', mode='sync', num_steps=3, checkpoint_every=0))
     a = metrics.read_metrics(workdir)[-1]
     b = metrics.read_metrics(straight)[-1]
     for key in ('reward_mean', 'learner/policy/loss', 'learner/critic/loss'):
