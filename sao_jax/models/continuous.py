@@ -19,7 +19,11 @@ own write slot and RoPE positions) and two kinds of jitted programs:
   when no row is active, or once `free_target` slots are free: newcomers are waiting for them). A row leaves
   the active set when its turn ends (stop token or budget); inactive rows write nothing that is ever read and
   do not advance. The loop runs on a copy of the R rows cut to a window (`windows`: a few static sizes, chosen
-  per chunk to hold every active slot's history and chunk); the slots the chunk wrote go back once per chunk;
+  per chunk to hold every active slot's history and chunk); the slots the chunk wrote go back once per chunk.
+  The copy is written into buffers of the window's shape that the sampler keeps from one chunk to the next
+  (donated in, returned): a fresh copy is a new allocation at every call, and on XLA:CPU a fresh allocation of
+  hundreds of MB is fresh pages, faulted in and zeroed one by one by the kernel (SmolLM2, 16 rows at 616
+  slots: 113k page faults, ~100-250 ms a chunk, against a step's ~70 ms; with kept buffers ~300 faults);
 * **fused admission** (`step`, `fuse_admissions`): a decode chunk whose first step also writes a newcomer's
   chunk of at most the smallest chunk bucket (a next turn's observation, or a prompt's rest past the shared
   prefix) into its row and samples its first token (`decode.forward_mixed`: the decode tokens and the chunk go
@@ -88,6 +92,7 @@ not depend on the slot it runs in or on its neighbours; `logprobs` are temperatu
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import threading
@@ -109,6 +114,9 @@ from sao_jax.models.sampling import SamplingParams
 
 Array = jax.Array
 MIN_PREFIX = 8  # Tokens: a shorter shared prefix is not worth a cache of its own.
+# A decode program's window buffers: per row group, (keys, values) with one array per layer, of the cache's
+# layout cut to the group's rows and window (`_decode_impl`'s `windows`).
+Windows = tuple[tuple[tuple[Array, ...], tuple[Array, ...]], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +144,10 @@ class CachePlacement:
   def constrain(self, cache: DecodeCache) -> DecodeCache:
     """Inside a program: its output cache placed here."""
     return self._apply(jax.lax.with_sharding_constraint, cache)
+
+  def constrain_kv(self, kv: Windows) -> Windows:
+    """Inside a program: window buffers (`Windows`) placed as the cache's keys and values."""
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self.kv), kv)
 
   def put(self, cache: DecodeCache) -> DecodeCache:
     return self._apply(jax.device_put, cache)
@@ -190,7 +202,8 @@ def _prefix_impl(cfg: ModelConfig, place: CachePlacement | None, weights: Decode
 
 def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | None, weights: DecodeWeights,
                  cache: DecodeCache, rows: Array, last: Array, active: Array, lengths: Array, budgets: Array,
-                 seeds: Array, free_target: Array, admit: Fused | None = None, queue: Queue | None = None):
+                 seeds: Array, free_target: Array, admit: Fused | None = None, queue: Queue | None = None,
+                 windows: Windows | None = None):
   """Up to `num_steps` tokens for each of the cache rows `rows` [R] (the active slots, gathered; rows >= B are
   padding: inactive, nothing is written back): feeds `last`, samples, stops a row at a stop token or when
   `lengths` (tokens of the turn so far) reaches `budgets` (all [R]). The chunk ends early once `free_target`
@@ -214,7 +227,11 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
   takes the next queued episode in the following step (one per step; `forward_mixed` writes its prompt and
   samples its first token, the other rows decode alongside), without a return to the host. Returns, per queue
   entry, the row it went to (`R`: not taken), the column of its first token and the length of the turn it
-  ended (so the host can split a row's tokens between its episodes)."""
+  ended (so the host can split a row's tokens between its episodes).
+
+  `windows` (donated): buffers the row groups' window copies are written into (the shapes of the groups' cuts,
+  their contents ignored), returned after the outputs above for the next call (module docstring); None: the
+  copies are fresh allocations."""
   b = last.shape[0]
   carry = dict(i=jnp.zeros((), jnp.int32), tokens=jnp.full((b, num_steps), st.pad_id, jnp.int32),
                lps=jnp.zeros((b, num_steps), jnp.float32), slps=jnp.zeros((b, num_steps), jnp.float32),
@@ -273,17 +290,21 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
   if queue is not None and min(w for *_, w in spans) < prompt_slots + num_steps:
     raise ValueError(f'_decode_impl: row groups {spans} too small for the queue.')
 
-  def cut(lo, hi, w):
+  def cut(lo, hi, w, into):
     """Rows [lo, hi)'s windows of w slots (a gather of [1, ..., w] blocks; `take` then a slice would copy whole
-    rows first)."""
+    rows first), the keys and values written into `into` (a group's `windows`; None: fresh arrays)."""
     part = rows[lo:hi]
     window = lambda x, axis: jax.vmap(lambda r: jax.lax.dynamic_slice(
         x, (r,) + (0,) * (x.ndim - 1), (1,) + x.shape[1:axis] + (w,) + x.shape[axis + 1:])[0])(part)
+    # A whole-buffer update: XLA writes the gather straight into the donated buffer.
+    write = lambda buf, x: x if buf is None else jax.lax.dynamic_update_slice(buf, x, (0,) * x.ndim)
+    keys, values = into or ((None,) * len(cache.k), (None,) * len(cache.v))
     rows_of = lambda x: jnp.take(x, part, axis=0, mode='clip')
-    return DecodeCache(k=tuple(window(x, 3) for x in cache.k), v=tuple(window(x, 2) for x in cache.v),
+    return DecodeCache(k=tuple(write(buf, window(x, 3)) for buf, x in zip(keys, cache.k)),
+                       v=tuple(write(buf, window(x, 2)) for buf, x in zip(values, cache.v)),
                        valid=window(cache.valid, 1), index=rows_of(cache.index), positions=rows_of(cache.positions))
 
-  carry['cache'] = tuple(cut(*span) for span in spans)
+  carry['cache'] = tuple(cut(*span, into) for span, into in zip(spans, windows or (None,) * len(spans)))
   start = _cat(carry['cache'], 'index')  # [R]: a row's chunk writes [start, start + num_steps) at most.
   n = num_steps
   if admit is not None:  # The first step writes the newcomers' chunks too (module docstring).
@@ -315,6 +336,9 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
          carry['i'])
   if queue is not None:
     out += (carry['taken_row'], carry['taken_at'], carry['taken_len'])
+  if windows is not None:
+    kept = tuple((g.k, g.v) for g in carry['cache'])
+    out += (kept if place is None else place.constrain_kv(kept),)
   return (_constrained(place, cache),) + out
 
 
@@ -448,7 +472,7 @@ def _fused_first_step(st: StaticSettings, weights: DecodeWeights, spans: list[tu
 # buckets).
 _admit = jax.jit(_admit_impl, static_argnums=(0, 1), donate_argnums=(3,))
 _prefix = jax.jit(_prefix_impl, static_argnums=(0, 1))
-_decode = jax.jit(_decode_impl, static_argnums=(0, 1, 2), donate_argnums=(4,))
+_decode = jax.jit(_decode_impl, static_argnums=(0, 1, 2), donate_argnums=(4, 14))
 _init_cache = jax.jit(init_cache, static_argnums=(0, 1, 2), static_argnames=('per_row_index',))
 
 
@@ -670,6 +694,10 @@ class SlotSampler:
     self.row_groups = bool(row_groups)
     self.placement = self._placement(cache_sharding)
     self._cache = self._placed(_init_cache(self.cfg, self.num_slots, self.cache_len, per_row_index=True))
+    # The decode programs' window buffers (`_decode_impl`'s `windows`), by shape, kept from one chunk to the
+    # next, the least recently used dropped past the cache's own size in all.
+    self._windows: collections.OrderedDict[tuple[tuple[int, int], ...], Windows] = collections.OrderedDict()
+    self._windows_budget = sum(x.nbytes for x in self._cache.k + self._cache.v)
     # The shared prefix (module docstring): its tokens (at most the largest chunk bucket, so one call computes
     # it), and its cache for one weights version, recomputed when the version or the tokens change.
     self.prefix_cache = bool(prefix_cache)
@@ -794,10 +822,28 @@ class SlotSampler:
     return cached[1]
 
   def _run_decode(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, *args):
+    """A decode program's call (`_decode_impl`'s arguments after `rows`), with the window buffers of its
+    shapes (kept ones, or new); returns its outputs but those."""
     fused, queue = args[-2:]
     key = ('decode', st, rows.shape[0], self.decode_steps, None if fused is None else fused.chunk.shape,
            None if queue is None else queue.chunk.shape)
-    return self._call(key, _decode, st, self.decode_steps, self.placement, weights, self._cache, rows, *args)
+    ra, wa = st.split or (rows.shape[0], st.window)  # The row groups' (rows, window), as `_decode_impl` cuts.
+    shapes = ((ra, wa),) + (((rows.shape[0] - ra, st.window),) if ra < rows.shape[0] else ())
+    windows = self._windows.pop(shapes, None)
+    if windows is None:
+      windows = tuple(self._new_windows(r, w) for r, w in shapes)
+    *out, windows = self._call(key, _decode, st, self.decode_steps, self.placement, weights, self._cache, rows,
+                               *args, windows)
+    self._windows[shapes] = windows
+    size = lambda kept: sum(x.nbytes for x in jax.tree.leaves(kept))
+    while len(self._windows) > 1 and sum(map(size, self._windows.values())) > self._windows_budget:
+      self._windows.popitem(last=False)
+    return tuple(out)
+
+  def _new_windows(self, rows: int, window: int) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
+    """A row group's window buffers (`Windows`), placed as the cache."""
+    empty = self._placed(_init_cache(self.cfg, rows, window, per_row_index=True))
+    return empty.k, empty.v
 
   def _call(self, key: tuple, program, *args):
     """Runs a program (`key`: its kind, static settings and shapes) under the memory-map check (`CODE_MAPS`),

@@ -355,6 +355,38 @@ class ContinuousTest(absltest.TestCase):
       np.testing.assert_allclose(lps[s], log_pi[np.arange(len(pos)), np.asarray(seqs[s])[pos]], atol=2e-4)
     self.assertEqual(slots.num_compiled(), compiled)
 
+  def test_decode_chunks_copy_their_windows_into_buffers_kept_between_calls(self):
+    """A decode chunk's copy of its rows' windows goes into buffers the sampler keeps (donated to the program,
+    returned by it): the program allocates no temporary for the copy (`memory_analysis`, against the same
+    program given none), and two chunks of one shape write the same buffers. On XLA:CPU a fresh buffer of that
+    size is new pages at every call, faulted in and zeroed by the kernel (SmolLM2: ~100-250 ms a chunk)."""
+    slots = SlotSampler(self.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=(), pad_id=self.tok.pad_id,
+                        chunk_buckets=(16,), decode_steps=4, num_windows=2, num_admit_windows=2)
+    slots.warmup(_GREEDY)
+    compiled = slots.num_compiled()
+    slots.admit([Admission(0, [3, 4, 5], new=True, budget=20, seed=0)], _GREEDY)
+    kept = []
+    for _ in range(3):
+      slots.decode(_GREEDY)
+      shapes, windows = next(reversed(slots._windows.items()))  # pylint: disable=protected-access  (last used)
+      kept.append((shapes, windows, [x.unsafe_buffer_pointer() for x in jax.tree.leaves(windows)]))
+    (shapes, first, pointers), *rest = kept
+    self.assertEqual(shapes, ((1, slots.windows[0]),))  # One active slot's row, its short history's window.
+    self.assertEqual([(s, p) for s, _, p in rest], [(shapes, pointers)] * 2)
+    self.assertTrue(all(x.is_deleted() for x in jax.tree.leaves(first)))  # Donated to the next chunk.
+    self.assertEqual(slots.num_compiled(), compiled)
+
+    # The program itself: given buffers, its temporaries are smaller by at least the copy's size.
+    weights = self.backend.sampler.snapshot.weights
+    rows, zeros = np.arange(2, dtype=np.int32), np.zeros((2,), np.int32)
+    st = slots._static(_GREEDY, slots.windows[0])  # pylint: disable=protected-access
+    args = (rows, zeros, np.ones((2,), bool), zeros, np.full((2,), 8, np.int32), zeros.astype(np.uint32),
+            np.int32(3), None, None)
+    temp = lambda windows: continuous_lib._decode.lower(  # pylint: disable=protected-access
+        st, 4, None, weights, slots._cache, *args, windows).compile().memory_analysis().temp_size_in_bytes
+    buffers = slots._new_windows(2, slots.windows[0])  # pylint: disable=protected-access
+    self.assertGreaterEqual(temp(None) - temp((buffers,)), sum(x.nbytes for x in jax.tree.leaves(buffers)))
+
   def test_new_prompts_start_from_the_shared_prefix_cache(self):
     """Prompts with a common head (a chat template's system prompt): the slot of a new episode starts from the
     head's cache and only the rest is written; the tokens and log-probs are the plain forward's, also after a
