@@ -23,7 +23,7 @@ figure) and the memory bandwidth measured just before each run (`common.memory_b
 runner's runs: on a shared host it moves several-fold within minutes, and a decode step over a long KV cache moves
 with it). The continuous runner runs once per `--refill_rows` value (free slots a decode chunk waits for while
 episodes wait: 1 refills a slot at once), interleaved with the static runs; a line per run says its decode steps,
-chunks, admissions and the wall and CPU seconds in each kind of device call. The continuous runner starts new
+chunks, admissions and the wall and CPU seconds and page faults in each kind of device call. The continuous runner starts new
 episodes from the cache of the prompts' shared head (`--prefix_cache`, on by default: the chat template's system
 prompt) and writes short admissions in the first step of a decode chunk (`--fuse_admissions`, one run per value);
 the static runner prefills whole prompts (one call per batch).
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import os
+import resource
 import statistics
 import time
 
@@ -122,6 +123,11 @@ def _envs(work, prompts):
           for i, (lengths, lat) in enumerate(work)]
 
 
+def _page_faults() -> int:
+  """The process's page faults so far (minor: a fresh page's first touch; every thread's)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _load_average() -> str:
   return ' / '.join(f'{x:.1f}' for x in os.getloadavg())
 
@@ -194,10 +200,11 @@ def main(argv):
 
   def counted(kind, method):
     def call(*args, **kwargs):
-      t0, c0, steps = time.perf_counter(), time.process_time(), slot_sampler.steps_run
+      t0, c0, steps, f0 = time.perf_counter(), time.process_time(), slot_sampler.steps_run, _page_faults()
       out = method(*args, **kwargs)
       calls[f'{kind}_wall'] += time.perf_counter() - t0
       calls[f'{kind}_cpu'] += time.process_time() - c0
+      calls[f'{kind}_faults'] += _page_faults() - f0
       calls[f'{kind}_calls'] += 1
       if kind == 'decode':
         calls['decode_steps'] += slot_sampler.steps_run - steps  # Steps the chunk ran.
@@ -235,7 +242,8 @@ def main(argv):
                 f'calls; wall s: decode {calls["decode_wall"]:.2f}, admit '
                 f'{calls["admit_wall"]:.2f}, rest {wall - calls["decode_wall"] - calls["admit_wall"]:.2f}; CPU s: '
                 f'decode {calls["decode_cpu"]:.2f}, admit {calls["admit_cpu"]:.2f}, rest '
-                f'{cpu - calls["decode_cpu"] - calls["admit_cpu"]:.2f}')
+                f'{cpu - calls["decode_cpu"] - calls["admit_cpu"]:.2f}; page faults: decode '
+                f'{calls["decode_faults"]:.0f}, admit {calls["admit_faults"]:.0f}')
     if kind == 'single':
       lengths = [w[0][0] for w in work]
       static_steps = sum(max(lengths[i:i + slots_n]) for i in range(0, n, slots_n))
