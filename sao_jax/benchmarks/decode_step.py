@@ -7,8 +7,9 @@ A case is `WINDOW` (one row group: every row attends over WINDOW slots) or `WIND
 over W slots, the others over WINDOW). Each runs the jitted decode program (`models.continuous._decode`, the one
 `SlotSampler` runs, sampling at temperature 1, no queue, its window buffers kept between calls) for `--steps`
 steps over `--rows` rows of random weights and a 704-slot cache, and prints milliseconds a step (the best of
-`--repeats` calls, after a first call that compiles). Long-tailed rollouts have a few rows with long histories among many short ones: their window is the
-longest row's, and on a CPU a step's attention over it is a large part of its cost.
+`--repeats` calls, after a first call that compiles). Long-tailed rollouts have a few rows with long histories
+among many short ones: their window is the longest row's, and on a CPU a step's attention over it is a large part
+of its cost.
 """
 
 from __future__ import annotations

@@ -23,10 +23,10 @@ figure) and the memory bandwidth measured just before each run (`common.memory_b
 runner's runs: on a shared host it moves several-fold within minutes, and a decode step over a long KV cache moves
 with it). The continuous runner runs once per `--refill_rows` value (free slots a decode chunk waits for while
 episodes wait: 1 refills a slot at once), interleaved with the static runs; a line per run says its decode steps,
-chunks, admissions and the wall and CPU seconds and page faults in each kind of device call. The continuous runner starts new
-episodes from the cache of the prompts' shared head (`--prefix_cache`, on by default: the chat template's system
-prompt) and writes short admissions in the first step of a decode chunk (`--fuse_admissions`, one run per value);
-the static runner prefills whole prompts (one call per batch).
+chunks, admissions and the wall and CPU seconds and page faults in each kind of device call. The continuous runner
+starts new episodes from the cache of the prompts' shared head (`--prefix_cache`, on by default: the chat
+template's system prompt) and writes short admissions in the first step of a decode chunk (`--fuse_admissions`,
+one run per value); the static runner prefills whole prompts (one call per batch).
 """
 
 from __future__ import annotations
