@@ -66,8 +66,8 @@ def main(argv):
     window, split = _case(text)
     st = StaticSettings(cfg, SamplingParams(), (), 0, window, split)
     # The row groups' window buffers, kept from one call to the next as `SlotSampler` keeps them.
-    ra, wa = split or (r, window)
-    kept = [tuple((c.k, c.v) for c in (decode.init_cache(cfg, n, w) for n, w in ((ra, wa), (r - ra, window)) if n))]
+    kept = [tuple((c.k, c.v) for c in (decode.init_cache(cfg, hi - lo, w)
+                                       for lo, hi, w in continuous.row_groups(r, st)))]
 
     def run(c, st=st):
       *_, kept[0] = jax.block_until_ready(continuous._decode(  # pylint: disable=protected-access

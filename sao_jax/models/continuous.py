@@ -200,6 +200,13 @@ def _prefix_impl(cfg: ModelConfig, place: CachePlacement | None, weights: Decode
   return _constrained(place, cache.replace(index=jnp.sum(valid, axis=1, dtype=jnp.int32)))
 
 
+def row_groups(rows: int, st: StaticSettings) -> list[tuple[int, int, int]]:
+  """A decode program's row groups over its `rows` rows: (first row, end, window) each. With `st.split` =
+  (R_a, W_a), rows [0, R_a) attend over W_a slots and the rest over `st.window`; else all over `st.window`."""
+  ra, wa = st.split or (rows, st.window)
+  return [(0, ra, wa)] + ([(ra, rows, st.window)] if ra < rows else [])
+
+
 def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | None, weights: DecodeWeights,
                  cache: DecodeCache, rows: Array, last: Array, active: Array, lengths: Array, budgets: Array,
                  seeds: Array, free_target: Array, admit: Fused | None = None, queue: Queue | None = None,
@@ -284,9 +291,7 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
       go, idle = go | jnp.any(refill), idle & ~refill
     return (c['i'] < num_steps) & go & (jnp.sum(idle) < free_target)
 
-  # The row groups (`st.split`): rows [0, R_a) attend over a window of W_a slots, the rest over `st.window`.
-  ra, wa = st.split or (b, st.window)
-  spans = [(0, ra, wa)] + ([(ra, b, st.window)] if ra < b else [])
+  spans = row_groups(b, st)
   if queue is not None and min(w for *_, w in spans) < prompt_slots + num_steps:
     raise ValueError(f'_decode_impl: row groups {spans} too small for the queue.')
 
@@ -827,8 +832,7 @@ class SlotSampler:
     fused, queue = args[-2:]
     key = ('decode', st, rows.shape[0], self.decode_steps, None if fused is None else fused.chunk.shape,
            None if queue is None else queue.chunk.shape)
-    ra, wa = st.split or (rows.shape[0], st.window)  # The row groups' (rows, window), as `_decode_impl` cuts.
-    shapes = ((ra, wa),) + (((rows.shape[0] - ra, st.window),) if ra < rows.shape[0] else ())
+    shapes = tuple((hi - lo, w) for lo, hi, w in row_groups(rows.shape[0], st))  # (rows, window) of each group.
     windows = self._windows.pop(shapes, None)
     if windows is None:
       windows = tuple(self._new_windows(r, w) for r, w in shapes)
