@@ -125,6 +125,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # single-turn rollout 2.09x static against 1.83x without, SmolLM2 2.62x against 2.52x, one run each (README).
   # On XLA:CPU every program maps its code: SmolLM2 with device_refill and row_groups (62 slot programs) needs
   # vm.max_map_count above the default 65530 (README, Benchmarks).
+  s.admission_rows = 'auto'  # Continuous: how the slots admitted together become device calls: 'padded' (one call,
+  # rows padded up to a power of 4: fewest calls), 'exact' (full powers of 4 only, largest first: 7 rows are 4 + 1 +
+  # 1 + 1, no padding row computed) or 'auto' (exact on a CPU when a padding row's chunk costs >= 1 GFLOP, e.g.
+  # SmolLM2-135M, where an admission's cost is its FLOPs; padded on accelerators and for tiny models). Same tokens.
   s.compile_ahead = False  # Continuous: compile every slot program before the first episode (else each at first use).
 
   # ---- Task / environment.

@@ -190,6 +190,7 @@ FIELDS: dict[str, Check] = {
     'sampler.fuse_admissions': Check(bool),
     'sampler.device_refill': Check(bool),
     'sampler.row_groups': Check(bool),
+    'sampler.admission_rows': _choice(('auto', 'exact', 'padded')),
     'sampler.queue_chunk': _int(ge=0),
     # ---- task (registry.validate_task_config: name, max_turns, eval_size, kwargs by the task's options)
     'task.name': Check(str),

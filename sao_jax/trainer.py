@@ -415,6 +415,7 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
                            device_refill=bool(config.sampler.device_refill),
                            queue_chunk=int(config.sampler.queue_chunk) or None,
                            row_groups=bool(config.sampler.row_groups),
+                           admission_rows=str(config.sampler.admission_rows),
                            cache_sharding=cache_sharding,
                            compile_ahead=bool(config.sampler.compile_ahead),
                            # Async: episodes bound to come back too stale end in flight (counted), and newer

@@ -3,7 +3,8 @@ r"""Rollout throughput on long-tailed episodes: static batches (`run_episodes`) 
 
   python -m sao_jax.benchmarks.rollout [--model=tiny | --hf_dir=/path/to/smollm2-hf] \
       [--episodes=128 --slots=16 --workloads=single,multi --repeats=2 --decode_steps=32 --refill_rows=1,4
-       --fuse_admissions=true,false --device_refill=false,true --row_groups=false,true]
+       --fuse_admissions=true,false --device_refill=false,true --row_groups=false,true \
+       --admission_rows=auto,exact,padded]
 
 Workloads (the same episodes, the same seeds, for both runners):
 
@@ -26,7 +27,8 @@ episodes wait: 1 refills a slot at once), interleaved with the static runs; a li
 chunks, admissions and the wall and CPU seconds and page faults in each kind of device call. The continuous runner
 starts new episodes from the cache of the prompts' shared head (`--prefix_cache`, on by default: the chat
 template's system prompt) and writes short admissions in the first step of a decode chunk (`--fuse_admissions`,
-one run per value); the static runner prefills whole prompts (one call per batch).
+one run per value); slots admitted together go to device calls of full row buckets or one padded call
+(`--admission_rows`, one run per value); the static runner prefills whole prompts (one call per batch).
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ _QUEUE_CHUNK = flags.DEFINE_integer('queue_chunk', 32, 'With --device_refill: th
                                     'prefix) a queued episode may have (the tiny workload\'s prompts: <= 31 tokens).')
 _ROW_GROUPS = flags.DEFINE_list('row_groups', ['false'], 'Continuous runs, one per value (x the settings above): a '
                                  "decode chunk runs its shorter-history slots at a smaller attention window (true).")
+_ADMISSION_ROWS = flags.DEFINE_list('admission_rows', ['auto'], 'Continuous runs, one per value (x the settings '
+                                    "above): slots admitted together as calls of full row buckets ('exact'), one "
+                                    "padded call ('padded') or 'auto' (`SlotSampler`).")
 _SEED = flags.DEFINE_integer('seed', 0, 'Workload and sampling seed.')
 
 
@@ -160,14 +165,24 @@ def main(argv):
   as_bool = lambda x: {'true': True, 'false': False}[x.lower()]
   fuses, device_refills = [as_bool(x) for x in _FUSE.value], [as_bool(x) for x in _REFILL.value]
   groups = [as_bool(x) for x in _ROW_GROUPS.value]
-  settings = [(f, d, g) for f in fuses for d in device_refills for g in groups]
+  admission_rows = _ADMISSION_ROWS.value
+  settings = [(f, d, g, a) for f in fuses for d in device_refills for g in groups for a in admission_rows]
   slot_sampler = SlotSampler(backend.sampler, num_slots=slots_n, max_seq_len=max_seq_len, stop_ids=stop_ids,
                              pad_id=tok.pad_id, decode_steps=_DECODE_STEPS.value, prefix_cache=_PREFIX_CACHE.value,
                              fuse_admissions=any(fuses), device_refill=any(device_refills),
                              queue_chunk=_QUEUE_CHUNK.value, row_groups=any(groups))
+  auto_exact = slot_sampler.exact_admissions
+
+  def use(setting):
+    fuse, refill, split, rows = setting
+    slot_sampler.fuse_admissions, slot_sampler.device_refill, slot_sampler.row_groups = fuse, refill, split
+    slot_sampler.exact_admissions = auto_exact if rows == 'auto' else rows == 'exact'
+
+  if not set(admission_rows) <= {'auto', 'exact', 'padded'}:
+    raise ValueError(f'--admission_rows must list auto, exact or padded, got {admission_rows}.')
   t0 = time.perf_counter()
   for setting in settings:  # Decode programs that carry an admission, a queue or row groups: each compiles its own.
-    slot_sampler.fuse_admissions, slot_sampler.device_refill, slot_sampler.row_groups = setting
+    use(setting)
     slot_sampler.warmup(decoding)
   print(f'# model {name}; {n} episodes, {slots_n} slots; continuous warm-up (compile) {time.perf_counter() - t0:.1f}s, '
         f'programs {slot_sampler.num_compiled()}; load average {_load_average()}')
@@ -181,17 +196,18 @@ def main(argv):
     return out
 
   def run_cont(envs, refill, setting):
-    slot_sampler.fuse_admissions, slot_sampler.device_refill, slot_sampler.row_groups = setting
+    use(setting)
     return run_continuous(slot_sampler, tok, envs, limits=limits, decoding=decoding, seeds=seeds[:len(envs)],
                           refill_rows=refill)
 
   refills = [int(x) for x in _REFILL_ROWS.value]
   if not refills or min(refills) < 1:
     raise ValueError(f'--refill_rows must list values >= 1, got {_REFILL_ROWS.value}.')
-  run_name = lambda r, f, d, g: 'continuous' + ''.join(
+  run_name = lambda r, f, d, g, a: 'continuous' + ''.join(
       [f' refill {r}' if len(refills) > 1 else '', (' fused' if f else ' unfused') if len(fuses) > 1 else '',
        (' device refill' if d else ' host refill') if len(device_refills) > 1 else '',
-       (' row groups' if g else ' one group') if len(groups) > 1 else ''])
+       (' row groups' if g else ' one group') if len(groups) > 1 else '',
+       f' {a} admissions' if len(admission_rows) > 1 else ''])
   runners = [('static', run_static)] + [(run_name(r, *s), lambda envs, r=r, s=s: run_cont(envs, r, s))
                                         for r in refills for s in settings]
 
@@ -215,6 +231,13 @@ def main(argv):
 
   slot_sampler._admit = counted('admit', slot_sampler._admit)  # pylint: disable=protected-access
   slot_sampler._decode = counted('decode', slot_sampler._decode)  # pylint: disable=protected-access
+  run_admit = slot_sampler._run_admit  # pylint: disable=protected-access
+
+  def admit_call(*args):  # A device call of an admission round.
+    calls['admit_programs'] += 1
+    return run_admit(*args)
+
+  slot_sampler._run_admit = admit_call  # pylint: disable=protected-access
 
   rng = np.random.default_rng(_SEED.value)
   print('| workload | runner | episodes/s | generated tok/s | wall s | speed-up | CPU s | CPU speed-up | load | mem GB/s |')
@@ -238,7 +261,7 @@ def main(argv):
         if label != 'static':
           print(f'# {kind} {label} run {r}: {calls["decode_steps"]:.0f} decode steps in {calls["decode_calls"]:.0f} '
                 f'chunks ({calls["fused"]:.0f} admissions fused into them, {calls["queued"]:.0f} episodes started in '
-                f'them), {calls["admit_calls"]:.0f} admission '
+                f'them), {calls["admit_calls"]:.0f} admission rounds in {calls["admit_programs"]:.0f} device '
                 f'calls; wall s: decode {calls["decode_wall"]:.2f}, admit '
                 f'{calls["admit_wall"]:.2f}, rest {wall - calls["decode_wall"] - calls["admit_wall"]:.2f}; CPU s: '
                 f'decode {calls["decode_cpu"]:.2f}, admit {calls["admit_cpu"]:.2f}, rest '

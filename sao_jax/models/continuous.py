@@ -7,12 +7,14 @@ own write slot and RoPE positions) and two kinds of jitted programs:
 * **admit** `(weights, cache, rows[P], chunk[P, T]) -> (first tokens, cache)`: writes a right-padded chunk into
   P of the slots (a new episode's prompt into a reset slot, or the next turn of an episode: its pending last
   token followed by its observation tokens, appended to what the slot holds) and samples each row's first
-  token of the turn. The P rows are gathered from the cache, run through `decode.forward` and scattered back;
-  P is bucketed to a power of 4 (padding rows point past the cache and are dropped), T to `chunk_buckets`
-  (one call per bucket: a short observation is not padded to a long prompt's length); chunks longer than the
-  largest bucket are written in pieces (only the last piece samples). The chunk attends over the smallest of
-  a few static windows (`admit_windows`) that holds the rows' histories plus the chunk: on a tiny model the
-  attention over the whole cache, not the matmuls, is most of an admission's cost;
+  token of the turn. The P rows are gathered from the cache cut to the smallest of a few static windows
+  (`admit_windows`) that holds their histories plus the chunk (on a tiny model the attention over the whole
+  cache, not the matmuls, was most of an admission's cost), run through `decode.forward`, and the slots the
+  chunk wrote go back. P is bucketed to a power of 4 (padding rows point past the cache and are dropped), T to
+  `chunk_buckets` (one call per bucket: a short observation is not padded to a long prompt's length); chunks
+  longer than the largest bucket are written in pieces (only the last piece samples). The rows admitted
+  together become one padded call or, where a padding row costs more than a call (a CPU, a model of SmolLM2's
+  size: `admission_rows`), calls of full row buckets;
 * **decode** `(weights, cache, rows[R], last, active, ..., free_target) -> (tokens[R, n], log-probs, cache)`: a
   chunk of at most `n` single-token steps over the active slots, gathered into R rows (R bucketed as P: a slot
   that waits for an env step costs nothing), with a per-row active mask (a `lax.while_loop` that ends early
@@ -162,19 +164,42 @@ def _admit_impl(st: StaticSettings, place: CachePlacement | None, weights: Decod
                 prefix: DecodeCache, from_prefix: Array):
   """Writes right-padded chunks [P, T] (`lengths` real tokens each) into cache rows `rows` [P] (rows >= B are
   padding: nothing is written back) and samples each row's next token. `reset` rows start empty, or, where
-  `from_prefix`, holding the shared prefix (`prefix`: one row of C slots, `_prefix_impl`'s) in slots [0, C)."""
-  sub = _start_rows(jax.tree.map(lambda x: jnp.take(x, rows, axis=0, mode='clip'), cache), reset, from_prefix,
-                    prefix)
-  hidden, new = forward(st.cfg, weights, sub, chunk, valid, window=st.window, all_positions=True)  # [P, T, D]
+  `from_prefix`, holding the shared prefix (`prefix`: one row of C slots, `_prefix_impl`'s) in slots [0, C).
+
+  The chunk runs on a copy of the P rows cut to `st.window` slots (which holds their histories and the chunk),
+  and only the slots it can have written go back (a reset row's [0, C + T), another row's [index, index + T)):
+  a copy of whole rows each way (SmolLM2 at 704 slots: 32 MB a row) cost an admission of one 16-token row as
+  much as its FLOPs on a CPU."""
+  c, t = prefix.max_len, chunk.shape[1]
+  w = min(max(st.window, c), cache.max_len)  # A reset row's prefix slots are in the copy.
+  sub = _start_rows(_cut(cache, rows, w), reset, from_prefix, prefix)
+  start = jnp.where(reset, 0, sub.index)  # A row's first written slot.
+  hidden, new = forward(st.cfg, weights, sub, chunk, valid, all_positions=True)  # [P, T, D]
   last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]  # [P, D]
   # The padding after the real tokens is overwritten by the row's next write.
   new = new.replace(index=sub.index + lengths)
   tok, lp, slp = sampling.select_tokens(last_logits(weights, last.T), seeds, new.positions, st.params)
-  put = lambda x, y: x.at[rows].set(y, mode='drop')
-  cache = DecodeCache(k=tuple(map(put, cache.k, new.k)), v=tuple(map(put, cache.v, new.v)),
-                      valid=put(cache.valid, new.valid), index=put(cache.index, new.index),
-                      positions=put(cache.positions, new.positions))
+  # A reset row's old history is gone: the slots past the window are marked empty here (those in it, by `new`).
+  cache = cache.replace(valid=cache.valid.at[jnp.where(reset, rows, cache.batch_size)].set(False, mode='drop'))
+  m = min(c + t, w)
+  cache = _put_back(cache, new, rows, jnp.minimum(start, w - m), m)
   return _constrained(place, cache), tok, lp, slp
+
+
+def _cut(cache: DecodeCache, rows: Array, w: int, into: tuple[tuple[Array, ...], tuple[Array, ...]] | None = None
+         ) -> DecodeCache:
+  """Cache rows `rows` [R] (rows >= B: clipped to the last row) cut to their first `w` slots: a gather of
+  [1, ..., w] blocks (`take` then a slice would copy whole rows first). The keys and values are written into
+  `into` (buffers of their shapes, donated by the caller: `_decode_impl`'s `windows`), or are fresh arrays."""
+  window = lambda x, axis: jax.vmap(lambda r: jax.lax.dynamic_slice(
+      x, (r,) + (0,) * (x.ndim - 1), (1,) + x.shape[1:axis] + (w,) + x.shape[axis + 1:])[0])(rows)
+  # A whole-buffer update: XLA writes the gather straight into the donated buffer.
+  write = lambda buf, x: x if buf is None else jax.lax.dynamic_update_slice(buf, x, (0,) * x.ndim)
+  keys, values = into or ((None,) * len(cache.k), (None,) * len(cache.v))
+  rows_of = lambda x: jnp.take(x, rows, axis=0, mode='clip')
+  return DecodeCache(k=tuple(write(buf, window(x, 3)) for buf, x in zip(keys, cache.k)),
+                     v=tuple(write(buf, window(x, 2)) for buf, x in zip(values, cache.v)),
+                     valid=window(cache.valid, 1), index=rows_of(cache.index), positions=rows_of(cache.positions))
 
 
 def _start_rows(rows: DecodeCache, reset: Array, from_prefix: Array, prefix: DecodeCache) -> DecodeCache:
@@ -295,21 +320,8 @@ def _decode_impl(st: StaticSettings, num_steps: int, place: CachePlacement | Non
   if queue is not None and min(w for *_, w in spans) < prompt_slots + num_steps:
     raise ValueError(f'_decode_impl: row groups {spans} too small for the queue.')
 
-  def cut(lo, hi, w, into):
-    """Rows [lo, hi)'s windows of w slots (a gather of [1, ..., w] blocks; `take` then a slice would copy whole
-    rows first), the keys and values written into `into` (a group's `windows`; None: fresh arrays)."""
-    part = rows[lo:hi]
-    window = lambda x, axis: jax.vmap(lambda r: jax.lax.dynamic_slice(
-        x, (r,) + (0,) * (x.ndim - 1), (1,) + x.shape[1:axis] + (w,) + x.shape[axis + 1:])[0])(part)
-    # A whole-buffer update: XLA writes the gather straight into the donated buffer.
-    write = lambda buf, x: x if buf is None else jax.lax.dynamic_update_slice(buf, x, (0,) * x.ndim)
-    keys, values = into or ((None,) * len(cache.k), (None,) * len(cache.v))
-    rows_of = lambda x: jnp.take(x, part, axis=0, mode='clip')
-    return DecodeCache(k=tuple(write(buf, window(x, 3)) for buf, x in zip(keys, cache.k)),
-                       v=tuple(write(buf, window(x, 2)) for buf, x in zip(values, cache.v)),
-                       valid=window(cache.valid, 1), index=rows_of(cache.index), positions=rows_of(cache.positions))
-
-  carry['cache'] = tuple(cut(*span, into) for span, into in zip(spans, windows or (None,) * len(spans)))
+  carry['cache'] = tuple(_cut(cache, rows[lo:hi], w, into)
+                         for (lo, hi, w), into in zip(spans, windows or (None,) * len(spans)))
   start = _cat(carry['cache'], 'index')  # [R]: a row's chunk writes [start, start + num_steps) at most.
   n = num_steps
   if admit is not None:  # The first step writes the newcomers' chunks too (module docstring).
@@ -615,6 +627,16 @@ class SlotTokens:
   queued: int | None = None
 
 
+def exact_admissions(cfg: ModelConfig, chunk: int, platform: str) -> bool:
+  """Whether admissions should be calls of full row buckets (`SlotSampler`'s `admission_rows='auto'`): on a CPU,
+  where a program's cost is its FLOPs, when a padding row's `chunk` tokens cost at least 1 GFLOP (~10 ms on a
+  2-core host, about a call's fixed cost: SmolLM2-135M's 16 tokens are 3.4 GFLOP, the tiny model's 2.4 MFLOP).
+  On an accelerator a small admission is bound by reading the weights, and a padding row is nearly free."""
+  d, h, f = cfg.embed_dim, cfg.head_dim, cfg.mlp_dim
+  per_layer = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * h + cfg.num_heads * h * d + 3 * d * f
+  return platform == 'cpu' and 2 * per_layer * cfg.num_layers * chunk >= 1e9
+
+
 def _next_pow2(x: int) -> int:
   return 1 << max(0, int(x) - 1).bit_length()
 
@@ -652,6 +674,10 @@ class SlotSampler:
       R / 4 longest-history rows attend over the chunk's window, the others over the largest window of at most
       half of it (`_short_windows`), so a long-tailed batch's step reads far fewer slots than R x its longest
       row's. More decode programs (one per window that has a short one); not with `fuse_admissions`.
+    admission_rows: how the rows of an admission round become calls (`_admission_calls`): 'padded' (one call,
+      the rows padded to the next row bucket: fewest calls), 'exact' (calls of full row buckets only, largest
+      first: no padding row is computed) or 'auto' (`exact_admissions`: 'exact' on a CPU for a model whose
+      padding row costs more than a call, 'padded' elsewhere).
     cache_sharding: where the cache's keys and values go (dims `[slots, kv_heads, ...]`; e.g. the kv heads
       over the actors' `tensor` axis, as `config.mesh.rules` split the weights' heads: the trainer passes that);
       the cache's other fields are replicated over its devices. None: where the weights are (`_placement`).
@@ -661,7 +687,8 @@ class SlotSampler:
                pad_id: int, chunk_buckets: Sequence[int] = (16, 32, 64), decode_steps: int = 16,
                num_windows: int = 8, num_admit_windows: int = 3, prefix_cache: bool = True,
                fuse_admissions: bool = False, device_refill: bool = False, queue_chunk: int | None = None,
-               row_groups: bool = False, cache_sharding: jax.sharding.Sharding | None = None):
+               row_groups: bool = False, admission_rows: str = 'auto',
+               cache_sharding: jax.sharding.Sharding | None = None):
     if num_slots < 1 or decode_steps < 1 or max_seq_len < 2:
       raise ValueError(f'SlotSampler: num_slots={num_slots}, decode_steps={decode_steps} and max_seq_len='
                        f'{max_seq_len} must be >= 1, 1 and 2.')
@@ -699,6 +726,11 @@ class SlotSampler:
     self.row_groups = bool(row_groups)
     self.placement = self._placement(cache_sharding)
     self._cache = self._placed(_init_cache(self.cfg, self.num_slots, self.cache_len, per_row_index=True))
+    if admission_rows not in ('auto', 'exact', 'padded'):
+      raise ValueError(f"SlotSampler admission_rows={admission_rows!r} must be 'auto', 'exact' or 'padded'.")
+    platform = next(iter(self._cache.valid.devices())).platform
+    self.exact_admissions = (exact_admissions(self.cfg, self.chunk_buckets[0], platform)
+                             if admission_rows == 'auto' else admission_rows == 'exact')
     # The decode programs' window buffers (`_decode_impl`'s `windows`), by shape, kept from one chunk to the
     # next, the least recently used dropped past the cache's own size in all.
     self._windows: collections.OrderedDict[tuple[tuple[int, int], ...], Windows] = collections.OrderedDict()
@@ -787,6 +819,21 @@ class SlotSampler:
     floor = self._queue_need if self._queue_fits(window) else 0
     short = [w for w in self.windows if 2 * w <= window and w >= floor] if long else []
     return (rows - long, short[-1]) if short else None
+
+  def _admission_calls(self, rows: list[int]) -> list[tuple[int, list[int]]]:
+    """The calls that admit `rows` (admissions of one chunk bucket and piece, ordered by their histories): (row
+    bucket, its rows) each. Padded: one call, its rows padded up to the next row bucket. Exact
+    (`exact_admissions`): full row buckets only, the largest first (7 rows: 4 + 1 + 1 + 1), so that no padding
+    row is computed (SmolLM2 on a 2-core CPU, 16-token chunks: a call of 1 row 53 ms, of 4 rows 140 ms, so 2 rows
+    padded to 4 cost 140 ms against 106, and 7 padded to 16 ~900 ms against ~300)."""
+    if not self.exact_admissions:
+      return [(next(x for x in self.row_buckets if len(rows) <= x), rows)]
+    calls = []
+    while rows:
+      p = max(x for x in self.row_buckets if x <= len(rows))
+      calls.append((p, rows[:p]))
+      rows = rows[p:]
+    return calls
 
   def _run_admit(self, st: StaticSettings, weights: DecodeWeights, rows: np.ndarray, chunk: np.ndarray, *args):
     return self._call(('admit', st, rows.shape[0], chunk.shape[1]), _admit, st, self.placement, weights,
@@ -946,36 +993,38 @@ class SlotSampler:
     prefix = self._prefix_for(snapshot) if any(starts) else self._no_prefix
     piece = self.chunk_buckets[-1]
     pieces = [[c[i:i + piece] for i in range(start, len(c), piece)] for c, start in zip(chunks, starts)]
-    # One device call per (piece round, chunk bucket): rows are padded to their own bucket only, and the call
-    # attends over the smallest admit window that holds its rows' histories plus the chunk (a row's cache before
-    # piece r holds its old fill, 0 for a new episode or the prefix's length, plus its earlier pieces).
+    # Device calls per (piece round, chunk bucket) (`_admission_calls`): rows are padded to their own chunk
+    # bucket only, and a call attends over the smallest admit window that holds its rows' histories plus the
+    # chunk.
     calls = []
     for r in range(max(len(p) for p in pieces)):
       by_bucket: dict[int, list[int]] = {}
       for i, p in enumerate(pieces):
         if r < len(p):
           by_bucket.setdefault(self.chunk_bucket(len(p[r])), []).append(i)
-      for t, part in sorted(by_bucket.items()):
-        before = max((starts[i] if admissions[i].new else int(self.fill[admissions[i].slot])) + r * piece
-                     for i in part)
-        window = next(w for w in self.admit_windows if before + t <= w)
-        p_rows = next(x for x in self.row_buckets if len(part) <= x)
-        rows = np.full((p_rows,), self.num_slots, np.int32)
-        chunk = np.full((p_rows, t), self.pad_id, np.int32)
-        valid = np.zeros((p_rows, t), bool)
-        lengths = np.zeros((p_rows,), np.int32)
-        reset = np.zeros((p_rows,), bool)
-        from_prefix = np.zeros((p_rows,), bool)
-        seeds = np.zeros((p_rows,), np.uint32)
-        for j, i in enumerate(part):
-          a, c = admissions[i], pieces[i][r]
-          rows[j], lengths[j], reset[j] = a.slot, len(c), a.new and r == 0
-          from_prefix[j] = reset[j] and starts[i] > 0
-          chunk[j, :len(c)], valid[j, :len(c)] = c, True
-          seeds[j] = (a.seed % (1 << 32)) if a.new else self.seeds[a.slot]
-        self._cache, tok, lp, slp = self._run_admit(self._static(params, window), snapshot.weights, rows, chunk,
-                                                    valid, lengths, reset, seeds, prefix, from_prefix)
-        calls.append((r, part, (tok, lp, slp)))
+      # Slots a row holds before piece r: its old fill (0 for a new episode, or the prefix's length) and its
+      # earlier pieces.
+      held = lambda i: (starts[i] if admissions[i].new else int(self.fill[admissions[i].slot])) + r * piece
+      for t, rows_in_bucket in sorted(by_bucket.items()):
+        for p_rows, part in self._admission_calls(sorted(rows_in_bucket, key=held)):
+          before = max(map(held, part))
+          window = next(w for w in self.admit_windows if before + t <= w)
+          rows = np.full((p_rows,), self.num_slots, np.int32)
+          chunk = np.full((p_rows, t), self.pad_id, np.int32)
+          valid = np.zeros((p_rows, t), bool)
+          lengths = np.zeros((p_rows,), np.int32)
+          reset = np.zeros((p_rows,), bool)
+          from_prefix = np.zeros((p_rows,), bool)
+          seeds = np.zeros((p_rows,), np.uint32)
+          for j, i in enumerate(part):
+            a, c = admissions[i], pieces[i][r]
+            rows[j], lengths[j], reset[j] = a.slot, len(c), a.new and r == 0
+            from_prefix[j] = reset[j] and starts[i] > 0
+            chunk[j, :len(c)], valid[j, :len(c)] = c, True
+            seeds[j] = (a.seed % (1 << 32)) if a.new else self.seeds[a.slot]
+          self._cache, tok, lp, slp = self._run_admit(self._static(params, window), snapshot.weights, rows, chunk,
+                                                      valid, lengths, reset, seeds, prefix, from_prefix)
+          calls.append((r, part, (tok, lp, slp)))
     first = {}
     for (r, part, _), (tok, lp, slp) in zip(calls, jax.device_get([c[2] for c in calls])):
       for j, i in enumerate(part):

@@ -243,6 +243,7 @@ class Actor:
       (`config.sampler.queue_chunk`; None: the smallest chunk bucket).
     row_groups: continuous: decode chunks may run their shorter-history slots at a smaller attention window
       (`config.sampler.row_groups`, see `SlotSampler`).
+    admission_rows: continuous: 'auto', 'exact' or 'padded' (`config.sampler.admission_rows`, see `SlotSampler`).
     slot_sampler: an existing `SlotSampler` over `backend.sampler` to reuse.
     cache_sharding: continuous: where the slot cache's keys and values go (`SlotSampler`'s `cache_sharding`;
       the trainer's: kv heads split over the actors' mesh as `config.mesh.rules` say); None: with the weights.
@@ -261,6 +262,7 @@ class Actor:
                step_timeout_s: float | None = None, continuous: bool = False, decode_steps: int = 16,
                refill_rows: int | None = None, prefix_cache: bool = True, fuse_admissions: bool = False,
                device_refill: bool = False, queue_chunk: int | None = None, row_groups: bool = False,
+               admission_rows: str = 'auto',
                slot_sampler: SlotSampler | None = None, cache_sharding: jax.sharding.Sharding | None = None,
                max_staleness: int | None = None, compile_ahead: bool = False, wait_for_weights: bool = True):
     if weight_switch not in WEIGHT_SWITCHES:
@@ -285,7 +287,8 @@ class Actor:
                           max_seq_len=limits.max_seq_len, stop_ids=backend.stop_ids, pad_id=backend.pad_id,
                           decode_steps=decode_steps, prefix_cache=prefix_cache,
                           fuse_admissions=fuse_admissions, device_refill=device_refill,
-                          queue_chunk=queue_chunk, row_groups=row_groups, cache_sharding=cache_sharding)
+                          queue_chunk=queue_chunk, row_groups=row_groups, admission_rows=admission_rows,
+                          cache_sharding=cache_sharding)
       self.runner = ContinuousRunner(slots, tokenizer, limits=limits, decoding=decoding,
                                      step_timeout_s=step_timeout_s, follower=self.backend,
                                      per_episode_weights=weight_switch == 'episode', refill_rows=refill_rows)

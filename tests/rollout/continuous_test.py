@@ -21,6 +21,7 @@ from sao_jax import parallel
 from sao_jax import rollout
 from sao_jax.envs import base
 from sao_jax.models import logprobs as logprobs_lib
+from sao_jax.models.config import get_model_config
 from sao_jax.models import continuous as continuous_lib
 from sao_jax.models.continuous import Admission, SlotSampler
 from sao_jax.models.sampling import SamplingParams
@@ -387,6 +388,76 @@ class ContinuousTest(absltest.TestCase):
         st, 4, None, weights, slots._cache, *args, windows).compile().memory_analysis().temp_size_in_bytes
     buffers = slots._new_windows(2, slots.windows[0])  # pylint: disable=protected-access
     self.assertGreaterEqual(temp(None) - temp((buffers,)), sum(x.nbytes for x in jax.tree.leaves(buffers)))
+
+  def test_exact_admissions_compute_no_padding_rows_and_change_no_token(self):
+    """Seven slots admitted together: 'exact' runs calls of full row buckets (4 + 1 + 1 + 1 rows), 'padded' one
+    call of 8 rows; the first tokens, log-probs and the whole cache after them are the same, and so are the
+    tokens of the decode chunks that follow (multi-turn: a next turn's observation admitted into a held
+    history). An admission copies its rows cut to its window, not whole rows (`memory_analysis`)."""
+    prompts = [[3 + (5 * i + j) % 40 for j in range(4 + i)] for i in range(7)]
+
+    def play(mode):
+      slots = SlotSampler(self.backend.sampler, num_slots=8, max_seq_len=128, stop_ids=(), pad_id=self.tok.pad_id,
+                          chunk_buckets=(16,), decode_steps=4, num_windows=2, num_admit_windows=2,
+                          prefix_cache=False, admission_rows=mode)
+      calls = []
+      run_admit = slots._run_admit  # pylint: disable=protected-access
+
+      def counted(st, weights, rows, *args):
+        calls.append(int((rows < slots.num_slots).sum()) * 100 + rows.shape[0])  # real rows, bucket
+        return run_admit(st, weights, rows, *args)
+
+      slots._run_admit = counted  # pylint: disable=protected-access
+      first = slots.admit([Admission(i, p, new=True, budget=3, seed=i) for i, p in enumerate(prompts)], _GREEDY)
+      cache = jax.tree.map(np.asarray, slots._cache)  # pylint: disable=protected-access
+      out = [(r.slot, r.ids, r.logprobs) for r in first]
+      while slots.active.any():
+        out += [(r.slot, r.ids, r.logprobs) for r in slots.decode(_GREEDY)]
+      # The next turn of slots 1, 2 and 5 (held histories of 8-14 tokens): an observation each.
+      turn = slots.admit([Admission(s, [60 + s, 61], new=False, budget=3) for s in (5, 1, 2)], _GREEDY)
+      out += [(r.slot, r.ids, r.logprobs) for r in turn]
+      while slots.active.any():
+        out += [(r.slot, r.ids, r.logprobs) for r in slots.decode(_GREEDY)]
+      return calls, cache, out, slots
+
+    exact_calls, exact_cache, exact_out, slots = play('exact')
+    padded_calls, padded_cache, padded_out, _ = play('padded')
+    self.assertEqual(exact_calls, [404, 101, 101, 101, 101, 101, 101])  # 7 rows: 4 + 1 + 1 + 1; 3 rows: 1 + 1 + 1.
+    self.assertEqual(padded_calls, [708, 304])
+    self.assertEqual([(s, ids) for s, ids, _ in exact_out], [(s, ids) for s, ids, _ in padded_out])
+    np.testing.assert_allclose(np.concatenate([lp for *_, lp in exact_out]),
+                               np.concatenate([lp for *_, lp in padded_out]), atol=1e-6)
+    for name in ('valid', 'index', 'positions'):
+      np.testing.assert_array_equal(getattr(exact_cache, name), getattr(padded_cache, name), err_msg=name)
+    held = exact_cache.valid[:, None, None, :]  # Keys and values of the slots written.
+    for got, want in zip(exact_cache.k + exact_cache.v, padded_cache.k + padded_cache.v):
+      got, want = (np.where(held if x.shape[-1] == held.shape[-1] else np.swapaxes(held, -1, -2), x, 0)
+                   for x in (got, want))
+      np.testing.assert_allclose(got, want, atol=1e-6)
+
+    # The admit program's temporaries hold its rows' windows, not whole rows: a cache 8x as long (1536 slots)
+    # adds nothing to them (a whole-row copy of 4 rows would add 4 x 1344 slots' keys and values).
+    weights = self.backend.sampler.snapshot.weights
+    st = slots._static(_GREEDY, slots.admit_windows[0])  # pylint: disable=protected-access
+    p, t = 4, 16
+    args = (np.arange(p, dtype=np.int32), np.zeros((p, t), np.int32), np.ones((p, t), bool),
+            np.full((p,), t, np.int32), np.zeros((p,), bool), np.zeros((p,), np.uint32),
+            slots._no_prefix, np.zeros((p,), bool))  # pylint: disable=protected-access
+    temp = lambda cache: continuous_lib._admit.lower(  # pylint: disable=protected-access
+        st, None, weights, cache, *args).compile().memory_analysis().temp_size_in_bytes
+    small = slots._cache  # pylint: disable=protected-access
+    large = continuous_lib.init_cache(slots.cfg, 8, 8 * slots.cache_len, per_row_index=True)
+    self.assertLessEqual(temp(large), temp(small))
+
+  def test_admission_rows_auto_is_exact_on_a_cpu_for_a_model_whose_padding_costs_a_call(self):
+    smollm2, tiny = get_model_config('smollm2-135m'), get_model_config('tiny')
+    self.assertTrue(continuous_lib.exact_admissions(smollm2, 16, 'cpu'))  # 3.4 GFLOP a padding row.
+    self.assertFalse(continuous_lib.exact_admissions(tiny, 16, 'cpu'))  # 2.4 MFLOP.
+    self.assertFalse(continuous_lib.exact_admissions(smollm2, 16, 'gpu'))
+    self.assertFalse(continuous_lib.exact_admissions(smollm2, 16, 'tpu'))
+    self.assertFalse(self.slots.exact_admissions)  # The tiny model here.
+    with self.assertRaisesRegex(ValueError, 'admission_rows'):
+      SlotSampler(self.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=(), pad_id=0, admission_rows='some')
 
   def test_new_prompts_start_from_the_shared_prefix_cache(self):
     """Prompts with a common head (a chat template's system prompt): the slot of a new episode starts from the
