@@ -216,6 +216,29 @@ def _start_rows(rows: DecodeCache, reset: Array, from_prefix: Array, prefix: Dec
                      positions=jnp.where(reset, jnp.where(from_prefix, prefix.positions[0], 0), rows.positions))
 
 
+def _start_row(rows: DecodeCache, row: Array, from_prefix: Array, prefix: DecodeCache) -> DecodeCache:
+  """Cache rows of which row `row` (past the last: none) starts a new episode, in place: empty, or, where
+  `from_prefix`, holding the shared prefix (`prefix`: one row of C slots) in slots [0, C). Its other slots keep
+  their keys and values, marked empty. (`_start_rows` on a gathered copy of the row and a scatter back: a copy of
+  its whole window each way, SmolLM2 at 616 slots 28 MB, in a decode chunk's step that takes a queued episode.)"""
+  b, c = rows.batch_size, prefix.max_len
+  real, at = row < b, jnp.minimum(row, b - 1)
+
+  def seeded(x, px, axis):  # Slots [0, C) of the row from the prefix's row.
+    corner = (at,) + (0,) * (x.ndim - 1)
+    old = jax.lax.dynamic_slice(x, corner, (1,) + x.shape[1:axis] + (c,) + x.shape[axis + 1:])
+    return jax.lax.dynamic_update_slice(x, jnp.where(real & from_prefix, px, old), corner)
+
+  held = jnp.pad(prefix.valid & from_prefix, ((0, 0), (0, rows.max_len - c)))  # [1, S]
+  valid = jax.lax.dynamic_update_slice(
+      rows.valid, jnp.where(real, held, jax.lax.dynamic_slice_in_dim(rows.valid, at, 1)), (at, 0))
+  put = lambda x, y: x.at[row].set(y, mode='drop')
+  return DecodeCache(k=tuple(seeded(x, px, 3) for x, px in zip(rows.k, prefix.k)),
+                     v=tuple(seeded(x, px, 2) for x, px in zip(rows.v, prefix.v)), valid=valid,
+                     index=put(rows.index, jnp.where(from_prefix, prefix.index[0], 0)),
+                     positions=put(rows.positions, jnp.where(from_prefix, prefix.positions[0], 0)))
+
+
 def _prefix_impl(cfg: ModelConfig, place: CachePlacement | None, weights: DecodeWeights, tokens: Array,
                  valid: Array) -> DecodeCache:
   """The shared prefix's cache: one row of C slots holding `tokens` [1, C] (right-padded; `valid` marks the
@@ -366,16 +389,29 @@ def _cat(groups: tuple[DecodeCache, ...], field: str) -> Array:
 
 def _put_back(cache: DecodeCache, small: DecodeCache, rows: Array, start: Array, n: int) -> DecodeCache:
   """Slots `[start[r], start[r] + n)` of each window row `r` of `small` into cache row `rows[r]` (rows >= B:
-  dropped), and the rows' `index` and `positions`."""
-  cols = start[:, None] + jnp.arange(n, dtype=jnp.int32)  # [R, n]
-  block = lambda x, axis: jax.vmap(lambda xr, i: jax.lax.dynamic_slice_in_dim(xr, i, n, axis=axis - 1))(x, start)
-  put_k = lambda full, part: full.at[rows[:, None], :, :, cols].set(  # Indexed dims first: values [R, n, K, H].
-      block(part, 3).transpose(0, 3, 1, 2), mode='drop')
-  put_v = lambda full, part: full.at[rows[:, None], :, cols].set(block(part, 2).transpose(0, 2, 1, 3), mode='drop')
-  return DecodeCache(k=tuple(map(put_k, cache.k, small.k)), v=tuple(map(put_v, cache.v, small.v)),
-                     valid=cache.valid.at[rows[:, None], cols].set(block(small.valid, 1), mode='drop'),
-                     index=cache.index.at[rows].set(small.index, mode='drop'),
-                     positions=cache.positions.at[rows].set(small.positions, mode='drop'))
+  dropped), and the rows' `index` and `positions`.
+
+  A loop over the rows written (their number is dynamic), each copying its blocks in place. (A scatter of all
+  rows' blocks at once materialized them, transposed to the scatter's layout: SmolLM2, the rows of a decode
+  chunk that took a queued episode, 96 slots of 16 rows: 71 MB of temporaries, fresh pages at every call.)"""
+  b = cache.batch_size
+  write = rows < b
+  order = jnp.argsort(~write, stable=True)  # The rows written first.
+
+  def body(j, kv):
+    i = order[j]
+    row, first = rows[i], start[i]
+    block = lambda part, axis: jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_slice_in_dim(part, i, 1), first, n, axis)
+    put = lambda full, part, axis: jax.lax.dynamic_update_slice(
+        full, block(part, axis), tuple(row if d == 0 else first if d == axis else 0 for d in range(full.ndim)))
+    keys, values, valid = kv
+    return (tuple(put(f, x, 3) for f, x in zip(keys, small.k)), tuple(put(f, x, 2) for f, x in zip(values, small.v)),
+            put(valid, small.valid, 1))
+
+  keys, values, valid = jax.lax.fori_loop(0, jnp.sum(write, dtype=jnp.int32), body, (cache.k, cache.v, cache.valid))
+  at = jnp.where(write, rows, b)
+  return DecodeCache(k=keys, v=values, valid=valid, index=cache.index.at[at].set(small.index, mode='drop'),
+                     positions=cache.positions.at[at].set(small.positions, mode='drop'))
 
 
 def _advance(st: StaticSettings, c: dict, tok: Array, lp: Array, slp: Array, stepped: Array) -> dict:
@@ -452,11 +488,11 @@ def _mixed_step(st: StaticSettings, weights: DecodeWeights, spans: list[tuple[in
   (a chunk row's: its first token), and which rows took a chunk."""
   r = c['last'].shape[0]
 
-  def start(group, lo):  # The group's reset rows (the others: dropped) start their new episode.
+  def start(group, lo):  # The group's reset rows start their new episode.
     at = jnp.where(reset & (rows >= lo) & (rows < lo + group.batch_size), rows - lo, group.batch_size)
-    started = _start_rows(jax.tree.map(lambda x: jnp.take(x, at, axis=0, mode='clip'), group),
-                          jnp.ones(at.shape, bool), from_prefix, prefix)
-    return jax.tree.map(lambda x, y: x.at[at].set(y, mode='drop'), group, started)
+    for j in range(rows.shape[0]):
+      group = _start_row(group, at[j], from_prefix[j], prefix)
+    return group
 
   groups = tuple(start(g, lo) for g, (lo, _, _) in zip(c['cache'], spans))
   hidden, chunk_hidden, groups = forward_mixed(st.cfg, weights, groups, c['last'], c['active'], rows, chunk,
