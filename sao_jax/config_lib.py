@@ -41,6 +41,7 @@ from sao_jax.losses.policy import BEHAVIOR_CORRECTIONS
 from sao_jax.losses.policy import CLIP_MODES
 from sao_jax.models import config as model_config_lib
 from sao_jax.models import hf_io
+from sao_jax.models.continuous import ADMISSION_ROWS
 from sao_jax.parallel import distributed
 from sao_jax.rollout.actor import WEIGHT_SWITCHES
 from sao_jax.tokenizers import CharTokenizer
@@ -190,7 +191,7 @@ FIELDS: dict[str, Check] = {
     'sampler.fuse_admissions': Check(bool),
     'sampler.device_refill': Check(bool),
     'sampler.row_groups': Check(bool),
-    'sampler.admission_rows': _choice(('auto', 'exact', 'padded')),
+    'sampler.admission_rows': _choice(ADMISSION_ROWS),
     'sampler.queue_chunk': _int(ge=0),
     # ---- task (registry.validate_task_config: name, max_turns, eval_size, kwargs by the task's options)
     'task.name': Check(str),

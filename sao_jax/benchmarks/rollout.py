@@ -48,7 +48,7 @@ from sao_jax import rollout
 from sao_jax.benchmarks import common
 from sao_jax.envs import base
 from sao_jax.models.config import get_model_config
-from sao_jax.models.continuous import SlotSampler
+from sao_jax.models.continuous import ADMISSION_ROWS, SlotSampler
 from sao_jax.models.llama import Decoder
 from sao_jax.models.sampling import SamplingParams
 from sao_jax.rollout.continuous import run_continuous
@@ -178,8 +178,8 @@ def main(argv):
     slot_sampler.fuse_admissions, slot_sampler.device_refill, slot_sampler.row_groups = fuse, refill, split
     slot_sampler.exact_admissions = auto_exact if rows == 'auto' else rows == 'exact'
 
-  if not set(admission_rows) <= {'auto', 'exact', 'padded'}:
-    raise ValueError(f'--admission_rows must list auto, exact or padded, got {admission_rows}.')
+  if not set(admission_rows) <= set(ADMISSION_ROWS):
+    raise ValueError(f'--admission_rows must list values of {ADMISSION_ROWS}, got {admission_rows}.')
   t0 = time.perf_counter()
   for setting in settings:  # Decode programs that carry an admission, a queue or row groups: each compiles its own.
     use(setting)

@@ -663,14 +663,16 @@ class SlotTokens:
   queued: int | None = None
 
 
+ADMISSION_ROWS = ('auto', 'exact', 'padded')  # `SlotSampler`'s `admission_rows`.
+
+
 def exact_admissions(cfg: ModelConfig, chunk: int, platform: str) -> bool:
   """Whether admissions should be calls of full row buckets (`SlotSampler`'s `admission_rows='auto'`): on a CPU,
-  where a program's cost is its FLOPs, when a padding row's `chunk` tokens cost at least 1 GFLOP (~10 ms on a
-  2-core host, about a call's fixed cost: SmolLM2-135M's 16 tokens are 3.4 GFLOP, the tiny model's 2.4 MFLOP).
-  On an accelerator a small admission is bound by reading the weights, and a padding row is nearly free."""
-  d, h, f = cfg.embed_dim, cfg.head_dim, cfg.mlp_dim
-  per_layer = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * h + cfg.num_heads * h * d + 3 * d * f
-  return platform == 'cpu' and 2 * per_layer * cfg.num_layers * chunk >= 1e9
+  where a program's cost is its FLOPs, when a padding row's `chunk` tokens cost at least 1 GFLOP (2 per weight
+  past the embedding; ~10 ms on a 2-core host, about a call's fixed cost: SmolLM2-135M's 16 tokens are 3.4 GFLOP,
+  the tiny model's 2.4 MFLOP). On an accelerator a small admission is bound by reading the weights, and a
+  padding row is nearly free."""
+  return platform == 'cpu' and 2 * cfg.num_params(include_embedding=False) * chunk >= 1e9
 
 
 def _next_pow2(x: int) -> int:
@@ -762,8 +764,8 @@ class SlotSampler:
     self.row_groups = bool(row_groups)
     self.placement = self._placement(cache_sharding)
     self._cache = self._placed(_init_cache(self.cfg, self.num_slots, self.cache_len, per_row_index=True))
-    if admission_rows not in ('auto', 'exact', 'padded'):
-      raise ValueError(f"SlotSampler admission_rows={admission_rows!r} must be 'auto', 'exact' or 'padded'.")
+    if admission_rows not in ADMISSION_ROWS:
+      raise ValueError(f'SlotSampler admission_rows={admission_rows!r} must be one of {ADMISSION_ROWS}.')
     platform = next(iter(self._cache.valid.devices())).platform
     self.exact_admissions = (exact_admissions(self.cfg, self.chunk_buckets[0], platform)
                              if admission_rows == 'auto' else admission_rows == 'exact')
