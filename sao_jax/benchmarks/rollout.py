@@ -166,6 +166,8 @@ def main(argv):
   fuses, device_refills = [as_bool(x) for x in _FUSE.value], [as_bool(x) for x in _REFILL.value]
   groups = [as_bool(x) for x in _ROW_GROUPS.value]
   admission_rows = _ADMISSION_ROWS.value
+  if not set(admission_rows) <= set(ADMISSION_ROWS):
+    raise ValueError(f'--admission_rows must list values of {ADMISSION_ROWS}, got {admission_rows}.')
   settings = [(f, d, g, a) for f in fuses for d in device_refills for g in groups for a in admission_rows]
   slot_sampler = SlotSampler(backend.sampler, num_slots=slots_n, max_seq_len=max_seq_len, stop_ids=stop_ids,
                              pad_id=tok.pad_id, decode_steps=_DECODE_STEPS.value, prefix_cache=_PREFIX_CACHE.value,
@@ -178,8 +180,6 @@ def main(argv):
     slot_sampler.fuse_admissions, slot_sampler.device_refill, slot_sampler.row_groups = fuse, refill, split
     slot_sampler.exact_admissions = auto_exact if rows == 'auto' else rows == 'exact'
 
-  if not set(admission_rows) <= set(ADMISSION_ROWS):
-    raise ValueError(f'--admission_rows must list values of {ADMISSION_ROWS}, got {admission_rows}.')
   t0 = time.perf_counter()
   for setting in settings:  # Decode programs that carry an admission, a queue or row groups: each compiles its own.
     use(setting)

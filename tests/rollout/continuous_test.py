@@ -405,7 +405,7 @@ class ContinuousTest(absltest.TestCase):
       run_admit = slots._run_admit  # pylint: disable=protected-access
 
       def counted(st, weights, rows, *args):
-        calls.append(int((rows < slots.num_slots).sum()) * 100 + rows.shape[0])  # real rows, bucket
+        calls.append((int((rows < slots.num_slots).sum()), rows.shape[0]))  # (real rows, row bucket)
         return run_admit(st, weights, rows, *args)
 
       slots._run_admit = counted  # pylint: disable=protected-access
@@ -423,8 +423,8 @@ class ContinuousTest(absltest.TestCase):
 
     exact_calls, exact_cache, exact_out, slots = play('exact')
     padded_calls, padded_cache, padded_out, _ = play('padded')
-    self.assertEqual(exact_calls, [404, 101, 101, 101, 101, 101, 101])  # 7 rows: 4 + 1 + 1 + 1; 3 rows: 1 + 1 + 1.
-    self.assertEqual(padded_calls, [708, 304])
+    self.assertEqual(exact_calls, [(4, 4)] + [(1, 1)] * 6)  # 7 rows: 4 + 1 + 1 + 1; 3 rows: 1 + 1 + 1.
+    self.assertEqual(padded_calls, [(7, 8), (3, 4)])
     self.assertEqual([(s, ids) for s, ids, _ in exact_out], [(s, ids) for s, ids, _ in padded_out])
     np.testing.assert_allclose(np.concatenate([lp for *_, lp in exact_out]),
                                np.concatenate([lp for *_, lp in padded_out]), atol=1e-6)
