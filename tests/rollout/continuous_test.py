@@ -727,20 +727,29 @@ class ContinuousTest(absltest.TestCase):
   def test_actor_drops_whole_groups_bound_to_be_stale(self):
     """With `max_staleness=1`, once version 6 is published every group with a rollout started at version 4 is
     dropped whole (its finished, running and waiting rollouts) and counted; the next prompt plays at version 6.
-    The env steps of prompt 0's second rollout to reach one wait until the drop, so its first rollout finishes
-    alone, however the env threads are scheduled (two rollouts finishing in one step would complete the group)."""
+    Exactly one rollout of prompt 0 finishes before the drop, however the env threads are scheduled (two
+    rollouts finishing in one step would complete the group): the second of its rollouts to reach an env step
+    waits there until the drop, and the first waits until the second reaches one (then it goes on and finishes)
+    or until the drop (a rollout whose turn ends by its token budget takes no env step and finishes alone)."""
     self.addCleanup(self.backend.update_weights, self.model, version=4)
-    free, lock, released = [], threading.Lock(), threading.Event()
-    self.addCleanup(released.set)
+    stepped, lock = [], threading.Lock()
+    released, lead_free = threading.Event(), threading.Event()  # The drop; the first stepper may go on.
+
+    def release():
+      released.set()
+      lead_free.set()
+
+    self.addCleanup(release)
 
     def on_step(env):
       if env.example.uid == '0':
         with lock:
-          if not free:
-            free.append(env)
-          held = env is not free[0]
-        if held:
-          self.assertTrue(released.wait(timeout=60), 'never released')
+          if env not in stepped:
+            stepped.append(env)
+          lead = env is stepped[0]
+          if len(stepped) > 1:
+            lead_free.set()
+        self.assertTrue((lead_free if lead else released).wait(timeout=60), 'never released')
 
     task = helpers.EchoTask(self.examples, 'message', self.stop_texts, 3, on_step)
     publisher = actor_lib.WeightPublisher()
@@ -765,7 +774,7 @@ class ContinuousTest(absltest.TestCase):
     self.assertEqual(actor.dropped_stale, 4)
     self.assertFalse(actor.runner.pending)
     self.assertEmpty(actor._groups)  # pylint: disable=protected-access
-    released.set()  # The dropped rollout's env step ends; its slot comes back.
+    release()  # The dropped rollout's env step ends; its slot comes back.
     actor.submit(1)
     items = []
     for _ in range(500):
