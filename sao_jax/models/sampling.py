@@ -64,24 +64,6 @@ class SamplingParams:
     return self.temperature == 1.0 and self.top_p == 1.0 and self.top_k == 0
 
 
-def row_keys(seeds: jax.Array, step: jax.Array | int) -> jax.Array:
-  """Per-row PRNG keys for one decode step: `fold_in(key(seed_b), step)`.
-
-  A row's randomness depends only on its own seed and the step, not on the batch it is in. (`select_tokens` draws
-  these keys' uniforms with `row_uniforms`, which computes them without the keys.)
-
-  Args:
-    seeds: uint32/int32 `[B]` per-row seeds.
-    step: step counter, scalar or per row `[B]` (e.g. the position of the token being drawn).
-
-  Returns:
-    `[B]` typed PRNG keys.
-  """
-  chex.assert_rank(seeds, 1)
-  steps = jnp.broadcast_to(jnp.asarray(step, jnp.uint32), seeds.shape)
-  return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds.astype(jnp.uint32), steps)
-
-
 _THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
@@ -103,9 +85,14 @@ def _threefry2x32(k0: jax.Array, k1: jax.Array, x0: jax.Array, x1: jax.Array) ->
 
 
 def row_uniforms(seeds: jax.Array, step: jax.Array | int) -> jax.Array:
-  """float32 `[B]` uniforms in [0, 1) of one decode step, one per row: bit for bit
-  `jax.vmap(jax.random.uniform)(row_keys(seeds, step))` under jax's default (partitionable) threefry bits (a test
-  pins them), with the hash written out (`_threefry2x32`).
+  """float32 `[B]` uniforms in [0, 1) of one decode step, one per row: row b's is bit for bit
+  `jax.random.uniform(jax.random.fold_in(jax.random.key(seeds[b]), step[b]))` under jax's default (partitionable)
+  threefry bits (a test pins them), with the hash written out (`_threefry2x32`). A row's randomness depends only on
+  its own seed and the step, not on the batch it is in.
+
+  Args:
+    seeds: uint32/int32 `[B]` per-row seeds.
+    step: step counter, scalar or per row `[B]` (e.g. the position of the token being drawn).
 
   A threefry key from a 32-bit seed is (0, seed); `fold_in(key, i)` hashes the counter (0, i) under it into the
   new key; a scalar's 32 random bits are the xor of the two words the key hashes counter (0, 0) into; a uniform is

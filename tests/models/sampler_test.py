@@ -96,14 +96,16 @@ class SelectTokensTest(parameterized.TestCase):
     np.testing.assert_allclose(lp, _log_softmax(np.asarray(logits)).max(-1), atol=1e-6)
 
   def test_row_uniforms_are_jax_randoms_bit_for_bit(self):
-    """`row_uniforms` (threefry written out) draws exactly `jax.random.uniform` under `row_keys(seeds, step)`
-    (with jax's default, partitionable threefry bits): random and edge seeds and steps, a step per row and one for
-    all, eager and jitted. A wrong rotation, key schedule or bits-to-float step changes nearly every draw."""
+    """`row_uniforms` (threefry written out) draws exactly `jax.random.uniform` under each row's key
+    `fold_in(key(seed), step)` (with jax's default, partitionable threefry bits): random and edge seeds and steps,
+    a step per row and one for all, eager and jitted. A wrong rotation, key schedule or bits-to-float step changes
+    nearly every draw."""
     rng = np.random.default_rng(0)
     edges = np.asarray([0, 1, 2 ** 31, 2 ** 32 - 1], np.uint32)
     seeds = np.concatenate([rng.integers(0, 2 ** 32, 2000, dtype=np.uint64).astype(np.uint32), edges, edges[::-1]])
     steps = np.concatenate([rng.integers(0, 2 ** 32, 2000, dtype=np.uint64).astype(np.uint32), edges, edges])
-    reference = lambda s, i: jax.vmap(jax.random.uniform)(sampling.row_keys(s, i))
+    draw = lambda s, i: jax.random.uniform(jax.random.fold_in(jax.random.key(s), i))
+    reference = lambda s, i: jax.vmap(draw)(s, jnp.broadcast_to(jnp.asarray(i, jnp.uint32), s.shape))
     with jax.threefry_partitionable(True):
       for step in (steps, 7):
         want = np.asarray(jax.jit(reference)(seeds, step)).view(np.uint32)
