@@ -41,7 +41,7 @@ from sao_jax.losses.policy import BEHAVIOR_CORRECTIONS
 from sao_jax.losses.policy import CLIP_MODES
 from sao_jax.models import config as model_config_lib
 from sao_jax.models import hf_io
-from sao_jax.models.continuous import ADMISSION_ROWS
+from sao_jax.generate.slots import ADMISSION_ROWS
 from sao_jax.parallel import distributed
 from sao_jax.rollout.actor import WEIGHT_SWITCHES
 from sao_jax.tokenizers import CharTokenizer

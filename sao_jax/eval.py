@@ -39,9 +39,9 @@ import numpy as np
 from sao_jax import models
 from sao_jax import rollout
 from sao_jax import tokenizers
-from sao_jax import types
+from sao_jax import structs
 from sao_jax.envs import evaluation
-from sao_jax.models.sampling import SamplingParams
+from sao_jax.generate.sampling import SamplingParams
 from sao_jax.tokenizers import Tokenizer
 
 # ------------------------------------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def run_eval(backend: rollout.Backend, tokenizer: Tokenizer, task, config, *, nu
   if num_samples:
     groups.append((sampling, [(i, j) for i in range(len(examples)) for j in range(num_samples)]))
   total = sum(len(jobs) for _, jobs in groups)
-  trajs: dict[tuple[int, int], types.Trajectory] = {}
+  trajs: dict[tuple[int, int], structs.Trajectory] = {}
   bar = _progress(total, f'eval {task.name}', progress)
   t0 = time.perf_counter()
   gen_tokens = 0

@@ -65,7 +65,7 @@ from sao_jax.errors import ConfigError
 from sao_jax.learner import Learner
 from sao_jax.learner import state as state_lib
 from sao_jax.learner import steps as steps_lib
-from sao_jax.models.sampling import SamplingParams
+from sao_jax.generate.sampling import SamplingParams
 from sao_jax.rollout import actor as actor_lib
 from sao_jax.rollout import trajectory_queue
 from sao_jax.tokenizers import get_tokenizer

@@ -27,7 +27,7 @@ from sao_jax.envs import evaluation
 from sao_jax.envs import registry
 from sao_jax.errors import ConfigError
 from sao_jax.models import hf_io
-from sao_jax.models import sampler as sampler_lib
+from sao_jax.generate import static as sampler_lib
 from sao_jax.models.config import get_model_config
 from sao_jax.models.llama import Decoder
 from sao_jax.tokenizers import CharTokenizer

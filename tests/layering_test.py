@@ -17,22 +17,23 @@ from absl.testing import absltest
 PACKAGE = 'sao_jax'
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PACKAGE)
 
-_BASE = {'errors', 'types', 'losses', 'tokenizers'}
-_BELOW_LOOP = _BASE | {'envs', 'models', 'parallel', 'rollout', 'learner', 'checkpoint', 'metrics'}
+_BASE = {'errors', 'structs', 'losses', 'tokenizers'}
+_BELOW_LOOP = _BASE | {'envs', 'models', 'parallel', 'generate', 'rollout', 'learner', 'checkpoint', 'metrics'}
 
 # room -> rooms of the package it may import (besides itself).
 ALLOWED = {
     'errors': set(),
-    'types': set(),
+    'structs': set(),
     'losses': set(),
     'sim': {'errors'},
     'tokenizers': {'errors'},
     'envs': {'errors', 'tokenizers'},
-    'parallel': {'errors', 'types'},
-    'models': {'errors', 'types', 'losses', 'parallel', 'tokenizers'},
+    'parallel': {'errors', 'structs'},
+    'models': {'errors', 'structs', 'losses', 'parallel', 'tokenizers'},
+    'generate': {'errors', 'structs', 'parallel', 'models'},
     'metrics': {'errors', 'parallel'},
-    'checkpoint': {'errors', 'types', 'models', 'parallel'},
-    'rollout': _BASE | {'envs', 'models', 'parallel'},
+    'checkpoint': {'errors', 'structs', 'models', 'parallel'},
+    'rollout': _BASE | {'envs', 'models', 'parallel', 'generate'},
     'learner': _BASE | {'models', 'parallel'},
     'config_lib': _BELOW_LOOP,
     'eval': _BELOW_LOOP | {'config_lib'},

@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sao_jax.models import continuous, decode
+from sao_jax.generate import slots as continuous
+from sao_jax.models import decode
 from sao_jax.models.config import get_model_config
 from sao_jax.models.llama import Decoder
-from sao_jax.models.sampler import StaticSettings
-from sao_jax.models.sampling import SamplingParams
+from sao_jax.generate.static import StaticSettings
+from sao_jax.generate.sampling import SamplingParams
 
 _MODEL = flags.DEFINE_string('model', 'smollm2-135m', 'Named model config (random weights).')
 _ROWS = flags.DEFINE_integer('rows', 16, 'Decode rows.')

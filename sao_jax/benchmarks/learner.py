@@ -36,7 +36,7 @@ from sao_jax import parallel
 from sao_jax.benchmarks.common import matmul_peak
 from sao_jax.learner import Learner
 from sao_jax.models import Decoder, get_model_config
-from sao_jax.types import Batch
+from sao_jax.structs import Batch
 
 _MODEL = flags.DEFINE_string('model', 'bench-25m', 'Named model config.')
 _BATCH = flags.DEFINE_integer('batch', 8, 'Trajectories per learner step.')

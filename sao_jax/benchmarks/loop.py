@@ -52,7 +52,7 @@ from sao_jax import models
 from sao_jax import rollout
 from sao_jax import trainer
 from sao_jax.envs import registry
-from sao_jax.models.sampling import SamplingParams
+from sao_jax.generate.sampling import SamplingParams
 from sao_jax.tokenizers import get_tokenizer
 
 SETTINGS = ('sync', 'async', 'grpo', 'sync_grpo')

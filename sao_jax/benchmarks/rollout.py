@@ -48,9 +48,9 @@ from sao_jax import rollout
 from sao_jax.benchmarks import common
 from sao_jax.envs import base
 from sao_jax.models.config import get_model_config
-from sao_jax.models.continuous import ADMISSION_ROWS, SlotSampler
+from sao_jax.generate.slots import ADMISSION_ROWS, SlotSampler
 from sao_jax.models.llama import Decoder
-from sao_jax.models.sampling import SamplingParams
+from sao_jax.generate.sampling import SamplingParams
 from sao_jax.rollout.continuous import run_continuous
 from sao_jax.tokenizers import CharTokenizer, get_tokenizer
 

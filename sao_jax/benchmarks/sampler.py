@@ -148,8 +148,8 @@ class Ours:
 
   def __init__(self, hf_dir: str, ids: list[list[int]], new_tokens: int):
     from sao_jax.models import hf_io  # pylint: disable=g-import-not-at-top
-    from sao_jax.models.sampler import Sampler  # pylint: disable=g-import-not-at-top
-    from sao_jax.models.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
+    from sao_jax.generate.static import Sampler  # pylint: disable=g-import-not-at-top
+    from sao_jax.generate.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
     model, _ = hf_io.load_hf(hf_dir, dtype='float32')
     self.num_params = model.cfg.num_params()
     self.sampler = Sampler(model, stop_ids=(EOS_ID,), pad_id=PAD_ID, prompt_buckets=(PROMPT_LEN,))

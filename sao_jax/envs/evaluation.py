@@ -20,8 +20,8 @@ import numpy as np
 
 from sao_jax.envs import base
 
-if TYPE_CHECKING:  # Annotations only: envs imports no jax (sao_jax.types holds jax arrays).
-  from sao_jax import types
+if TYPE_CHECKING:  # Annotations only: envs imports no jax (sao_jax.structs holds jax arrays).
+  from sao_jax import structs
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -70,21 +70,21 @@ class ProblemResult:
     return d
 
 
-def response_text(traj: types.Trajectory, decode: Callable[[Sequence[int]], str]) -> str:
+def response_text(traj: structs.Trajectory, decode: Callable[[Sequence[int]], str]) -> str:
   """Everything after the prompt (actions and observations), decoded."""
   first = int(np.argmax(traj.action_mask)) if traj.action_mask.any() else len(traj.tokens)
   return decode(traj.tokens[first:].tolist())
 
 
-def is_correct(traj: types.Trajectory) -> bool:
+def is_correct(traj: structs.Trajectory) -> bool:
   """The task's verdict (`info['correct']`), else reward >= 1; never for truncated or failed episodes."""
   if traj.truncated or 'error' in traj.info:
     return False
   return bool(traj.info.get('correct', traj.reward >= 1.0))
 
 
-def problem_result(example: base.Example, *, greedy: types.Trajectory | None = None,
-                   samples: Sequence[types.Trajectory] = (),
+def problem_result(example: base.Example, *, greedy: structs.Trajectory | None = None,
+                   samples: Sequence[structs.Trajectory] = (),
                    decode: Callable[[Sequence[int]], str]) -> ProblemResult:
   """Collects one problem's greedy and sampled episodes; env errors go to `errors`."""
   errors = [str(t.info['error']) for t in ([greedy] if greedy is not None else []) + list(samples)

@@ -1,7 +1,7 @@
 """The learner: sharded train states and the jitted SAO / GRPO-family update, driven from the host.
 
     learner = Learner(config, policy=lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
-    metrics = learner.update(batch)        # a `sao_jax.types.Batch` (numpy or jax), one learner step
+    metrics = learner.update(batch)        # a `sao_jax.structs.Batch` (numpy or jax), one learner step
     params = learner.policy_state()        # to publish to the sampler
 
 The update is one `jax.jit` program with explicit in/out shardings (derived from the models' logical
@@ -32,7 +32,7 @@ from sao_jax.learner import algo as algo_lib
 from sao_jax.learner import optim as optim_lib
 from sao_jax.learner import state as state_lib
 from sao_jax.learner import steps as steps_lib
-from sao_jax.types import BATCH_FIELDS, Batch
+from sao_jax.structs import BATCH_FIELDS, Batch
 
 ModelOrFn = nnx.Module | Callable[[], nnx.Module]
 

@@ -59,7 +59,7 @@ from sao_jax import parallel
 from sao_jax.learner import algo as algo_lib
 from sao_jax.learner import state as state_lib
 from sao_jax.models import logprobs as logprobs_lib
-from sao_jax.types import Batch
+from sao_jax.structs import Batch
 
 Metrics = dict[str, jax.Array]
 Hparams = dict[str, Any]  # `StepConfig.hparams()`: host scalars, or the jitted step's inputs.

@@ -1,7 +1,7 @@
 """The KV-cache forward pass of a `Decoder`: prefill, single-token decode and continuation chunks.
 
 This is the one implementation of the cached forward pass. `Decoder.__call__(..., cache=...)` runs it (for
-tests, tools and one-off use) and `sao_jax.models.sampler` runs it inside its jitted prefill and decode loop.
+tests, tools and one-off use) and `sao_jax.generate.static` runs it inside its jitted prefill and decode loop.
 It computes the same function as the Decoder's plain forward pass (same RoPE tables, norms and casting order;
 tests compare the two) in a graph shaped for decoding on any backend:
 
@@ -302,7 +302,7 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
   """One decode step of R rows, optionally fused with chunks written into some of them, in one pass over the
   weights; the rows may be split into groups that each attend over a window of their own.
 
-  The continuous sampler's decode step (`sao_jax.models.continuous`): the R decode tokens and the P x T chunk
+  The continuous sampler's decode step (`sao_jax.generate.slots`): the R decode tokens and the P x T chunk
   tokens go through every projection and MLP as one `[D, R + P T]` block (on a CPU, a step's cost is mostly
   reading the weights, so the chunk rides along for its extra FLOPs), and each part attends with its own
   kernel: single-token attention for the decode rows, chunk attention for the chunks.

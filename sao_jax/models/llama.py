@@ -39,7 +39,7 @@ single-token decode and continuation chunks (e.g. observation tokens appended in
 Every row writes the chunk at the same slots [index, index + T); a token attends to the earlier slots of its
 row that hold real tokens (masked tokens are holes); positions continue from the row's last real token. See
 `sao_jax.models.decode` for the exact semantics. It re-lays-out the weights on every call: a decode loop should
-call `decode.decode_weights` once and `decode.forward` per step, as `sao_jax.models.sampler` does.
+call `decode.decode_weights` once and `decode.forward` per step, as `sao_jax.generate.static` does.
 """
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ def global_batch(local_batch: Any, mesh: Mesh, global_rows: int) -> Any:
   """One global, row-sharded array per leaf from each process's local rows (numpy).
 
   Args:
-    local_batch: pytree (e.g. `sao_jax.types.Batch` of numpy arrays) holding this process's rows
+    local_batch: pytree (e.g. `sao_jax.structs.Batch` of numpy arrays) holding this process's rows
       `local_row_range(global_rows, mesh)`, in order.
     mesh: the learner mesh.
     global_rows: rows of the whole batch across processes.

@@ -150,7 +150,7 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 
 def batch_shardings(batch: Any, mesh: Mesh) -> Any:
-  """A sharding per leaf of a batch pytree (e.g. `sao_jax.types.Batch`): leading dim over the data axes."""
+  """A sharding per leaf of a batch pytree (e.g. `sao_jax.structs.Batch`): leading dim over the data axes."""
   return jax.tree.map(lambda x: batch_sharding(mesh, np.ndim(x)), batch)
 
 

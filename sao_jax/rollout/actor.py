@@ -46,10 +46,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sao_jax import types
+from sao_jax import structs
 from sao_jax.envs.base import Example, ExampleIterator, Task
-from sao_jax.models.continuous import SlotSampler
-from sao_jax.models.sampling import SamplingParams
+from sao_jax.generate.slots import SlotSampler
+from sao_jax.generate.sampling import SamplingParams
 from sao_jax.rollout.backends import SamplerBackend
 from sao_jax.rollout.continuous import ContinuousRunner
 from sao_jax.rollout.episodes import EpisodeLimits, episode_seed, run_episodes
@@ -292,7 +292,7 @@ class Actor:
       self.runner = ContinuousRunner(slots, tokenizer, limits=limits, decoding=decoding,
                                      step_timeout_s=step_timeout_s, follower=self.backend,
                                      per_episode_weights=weight_switch == 'episode', refill_rows=refill_rows)
-    self._groups: dict[int, list[types.Trajectory]] = {}
+    self._groups: dict[int, list[structs.Trajectory]] = {}
 
   @property
   def continuous(self) -> bool:
@@ -307,12 +307,12 @@ class Actor:
         group_ids.append(number)
     return envs, seeds, group_ids
 
-  def _done(self, t: types.Trajectory, number: int, uid: str) -> None:
+  def _done(self, t: structs.Trajectory, number: int, uid: str) -> None:
     t.info.setdefault('prompt_number', number)
     t.info.setdefault('uid', uid)
     self.generated_tokens += t.num_action_tokens
 
-  def play(self, num_prompts: int | None = None) -> list[list[types.Trajectory]]:
+  def play(self, num_prompts: int | None = None) -> list[list[structs.Trajectory]]:
     """One call of the episode runner on `num_prompts` prompts (default: a full call); returns items (one
     trajectory, or one prompt's whole group), in prompt order. (Continuous: the call's episodes stream through
     the slots and the call ends when all of them have; `submit` / `collect` stream across calls.)"""
@@ -343,7 +343,7 @@ class Actor:
     keys = [(number, example.uid) for number, example in taken for _ in range(self.group_size)]
     self.runner.submit(envs, seeds=seeds, group_ids=group_ids, keys=keys)
 
-  def collect(self) -> list[list[types.Trajectory]]:
+  def collect(self) -> list[list[structs.Trajectory]]:
     """One step of the continuous runner; returns the items (whole groups) completed by it."""
     items = []
     for (number, uid), t in self.runner.step():
@@ -487,11 +487,11 @@ class ActorThread(threading.Thread):
         return
 
 
-def play_rows(actor: Actor, rows: int) -> list[types.Trajectory]:
+def play_rows(actor: Actor, rows: int) -> list[structs.Trajectory]:
   """Sync mode: exactly `rows` trajectories (whole groups) from calls of at most one full call each."""
   if rows % actor.group_size:
     raise ValueError(f'rows={rows} is not a multiple of group_size={actor.group_size}.')
-  out: list[types.Trajectory] = []
+  out: list[structs.Trajectory] = []
   while len(out) < rows:
     prompts = min(actor.prompts_per_call, (rows - len(out)) // actor.group_size)
     for item in actor.play(prompts):

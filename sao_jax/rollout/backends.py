@@ -5,7 +5,7 @@ A `Backend` generates one turn for a batch of episodes at a time: `first_turn` f
 its tokens, their behaviour log-probs (of the distribution actually sampled from), the temperature-1 policy
 log-probs when known, and the params version that generated it.
 
-* `SamplerBackend`: the KV-cache `sao_jax.models.sampler.Sampler` (the actors' and eval's backend); a
+* `SamplerBackend`: the KV-cache `sao_jax.generate.static.Sampler` (the actors' and eval's backend); a
   multi-turn episode goes on from the cache (the history is never recomputed).
 * `ContextBackend`: a per-episode function `generate(context_ids, max_new_tokens, stop_ids) -> (ids,
   logprobs)` on host-side contexts (tests, stubs, references).
@@ -17,8 +17,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from sao_jax.models import sampler as sampler_lib
-from sao_jax.models.sampling import SamplingParams
+from sao_jax.generate import static as sampler_lib
+from sao_jax.generate.sampling import SamplingParams
 
 # `generate(context_ids, max_new_tokens, stop_ids) -> (generated ids, their behaviour log-probs)`.
 GenerateFn = Callable[[list[int], int, tuple[int, ...]], tuple[Sequence[int], Sequence[float]]]
@@ -60,7 +60,7 @@ class Backend(Protocol):
 
 
 class SamplerBackend:
-  """The KV-cache sampler (`sao_jax.models.sampler.Sampler`) as a `Backend` (the one adapter to its API).
+  """The KV-cache sampler (`sao_jax.generate.static.Sampler`) as a `Backend` (the one adapter to its API).
 
   Each call takes the sampler's weights snapshot once; the version it reports is stamped on the turn.
 

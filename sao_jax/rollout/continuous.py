@@ -5,7 +5,7 @@
 
 The static runner (`sao_jax.rollout.episodes.run_episodes`) plays a batch turn by turn: each turn is one
 sampler call over the batch, so the batch waits for its longest generation and its slowest env step. Here
-every episode owns a slot of a `sao_jax.models.continuous.SlotSampler` from its first prompt token to its
+every episode owns a slot of a `sao_jax.generate.slots.SlotSampler` from its first prompt token to its
 end; the host loop alternates
 
 1. harvest: env steps that finished (they run in a thread pool, never blocking the decoding of other slots):
@@ -50,10 +50,10 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
-from sao_jax import types
+from sao_jax import structs
 from sao_jax.envs.base import Env
-from sao_jax.models.continuous import Admission, NewEpisode, SlotSampler, SlotTokens
-from sao_jax.models.sampling import SamplingParams
+from sao_jax.generate.slots import Admission, NewEpisode, SlotSampler, SlotTokens
+from sao_jax.generate.sampling import SamplingParams
 from sao_jax.rollout.backends import Generation
 from sao_jax.rollout.episodes import Episode, EpisodeLimits, EpisodeRules, absorb, finish, start_episode, turn_budget
 from sao_jax.tokenizers import Tokenizer
@@ -201,9 +201,9 @@ class ContinuousRunner:
     docstring); returns their keys."""
     return self.drop(lambda key, oldest: oldest is not None and oldest < version)
 
-  def step(self) -> list[tuple[Hashable, types.Trajectory]]:
+  def step(self) -> list[tuple[Hashable, structs.Trajectory]]:
     """One round of the loop (harvest, fill, admit, decode); returns the episodes that finished in it."""
-    done: list[tuple[Hashable, types.Trajectory]] = []
+    done: list[tuple[Hashable, structs.Trajectory]] = []
     self._harvest(done, block=False)
     self._fill()
     admissions, self._admissions = self._admissions, []
@@ -223,7 +223,7 @@ class ContinuousRunner:
       self._harvest(done, block=True)
     return done
 
-  def run(self) -> list[tuple[Hashable, types.Trajectory]]:
+  def run(self) -> list[tuple[Hashable, structs.Trajectory]]:
     """Steps until every submitted episode has finished; returns them in the order they finished."""
     out = []
     try:
@@ -349,7 +349,7 @@ def run_continuous(slots: SlotSampler, tokenizer: Tokenizer, envs: Sequence[Env]
                    decoding: SamplingParams, seeds: Sequence[int], group_ids: Sequence[int] | None = None,
                    step_timeout_s: float | None = None, env_workers: int | None = None,
                    follower: WeightFollower | None = None,
-                   per_episode_weights: bool = False, refill_rows: int | None = None) -> list[types.Trajectory]:
+                   per_episode_weights: bool = False, refill_rows: int | None = None) -> list[structs.Trajectory]:
   """Plays one episode per env through the slots (module docstring); the same arguments and result as
   `run_episodes` (one `Trajectory` per env, in order), plus the runner's options (`ContinuousRunner`)."""
   runner = ContinuousRunner(slots, tokenizer, limits=limits, decoding=decoding, step_timeout_s=step_timeout_s,

@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from sao_jax import types
+from sao_jax import structs
 from sao_jax.envs.base import Env, Message, guarded_step
-from sao_jax.models.sampling import SamplingParams
+from sao_jax.generate.sampling import SamplingParams
 from sao_jax.rollout import layout
 from sao_jax.rollout.backends import Backend, ContextBackend, GenerateFn, Generation
 from sao_jax.tokenizers import Tokenizer
@@ -185,7 +185,7 @@ def absorb(ep: Episode, gen: Generation, rules: EpisodeRules) -> list[int] | Non
   return obs_ids
 
 
-def finish(ep: Episode, rules: EpisodeRules) -> types.Trajectory:
+def finish(ep: Episode, rules: EpisodeRules) -> structs.Trajectory:
   """The finished episode as a `Trajectory` (reward 0 after an env error)."""
   reward = 0.0 if 'error' in ep.info else ep.reward
   ep.info['num_turns'] = len(ep.turns)
@@ -197,7 +197,7 @@ def finish(ep: Episode, rules: EpisodeRules) -> types.Trajectory:
 
 def run_episodes(backend: Backend, tokenizer: Tokenizer, envs: Sequence[Env], *, limits: EpisodeLimits,
                  decoding: SamplingParams, seeds: Sequence[int], group_ids: Sequence[int] | None = None,
-                 step_timeout_s: float | None = None) -> list[types.Trajectory]:
+                 step_timeout_s: float | None = None) -> list[structs.Trajectory]:
   """Plays one episode per env, all rows together, with `backend` (see the module docstring).
 
   Args:
@@ -273,7 +273,7 @@ def _absorb_rows(pool, absorb, episodes, gens, running) -> list[list[int] | None
 
 
 def run_episode(env: Env, tokenizer: Tokenizer, generate: GenerateFn, *, limits: EpisodeLimits,
-                group_id: int = -1, version: int = 0, step_timeout_s: float | None = None) -> types.Trajectory:
+                group_id: int = -1, version: int = 0, step_timeout_s: float | None = None) -> structs.Trajectory:
   """One episode with `generate(context_ids, max_new_tokens, stop_ids) -> (action_ids, logprobs)`: the batched
   runner on one row of a `ContextBackend` (the generator returns the tokens it sampled, with the stop token
   when it stopped on one, and their behaviour log-probs; every turn is stamped with `version`)."""
@@ -283,7 +283,7 @@ def run_episode(env: Env, tokenizer: Tokenizer, generate: GenerateFn, *, limits:
 
 
 def replay_episode(env: Env, tokenizer: Tokenizer, actions: Sequence[str], *, limits: EpisodeLimits,
-                   group_id: int = -1) -> types.Trajectory:
+                   group_id: int = -1) -> structs.Trajectory:
   """The episode that a model writing `actions` (the text of each turn, in order) plays on `env`: the one runner
   (`run_episode`) with the env's own observations, so a reference episode (the warm start's rows,
   `sao_jax.sft`) is laid out exactly as a sampled one, `action_mask` on the turns' tokens only.

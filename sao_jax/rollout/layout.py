@@ -1,4 +1,4 @@
-"""Episode -> token layout: one `sao_jax.types.Trajectory` per episode.
+"""Episode -> token layout: one `sao_jax.structs.Trajectory` per episode.
 
 An episode alternates model actions and environment observations:
 
@@ -29,7 +29,7 @@ from typing import Any
 from absl import logging
 import numpy as np
 
-from sao_jax import types
+from sao_jax import structs
 from sao_jax.envs.base import Env, Message
 from sao_jax.tokenizers import Tokenizer
 
@@ -55,7 +55,7 @@ class Turn:
 def episode_to_trajectory(prompt_ids: Sequence[int], turns: Sequence[Turn], reward: float, *,
                           truncated: bool = False, bootstrappable: bool = True, group_id: int = -1,
                           greedy: bool = False, generate_seconds: float = 0.0, env_seconds: float = 0.0,
-                          info: dict[str, Any] | None = None) -> types.Trajectory:
+                          info: dict[str, Any] | None = None) -> structs.Trajectory:
   """Lays an episode out as one token sequence.
 
   tokens = prompt ++ a_1 ++ o_1 ++ a_2 ++ o_2 ++ ... ++ a_n (++ o_n);
@@ -101,7 +101,7 @@ def episode_to_trajectory(prompt_ids: Sequence[int], turns: Sequence[Turn], rewa
   if not action_mask.any():
     raise ValueError('An episode needs at least one action token.')
   versions = tuple(int(t.version) for t in turns)
-  return types.Trajectory(
+  return structs.Trajectory(
       tokens=np.concatenate(tokens), action_mask=action_mask, behavior_logprobs=np.concatenate(logp),
       reward=0.0 if truncated else float(reward), truncated=bool(truncated), policy_version=min(versions),
       group_id=int(group_id), policy_logprobs=np.concatenate(policy) if with_policy else None,

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sao_jax import types
+from sao_jax import structs
 
 DROP_REASONS = ('not_bootstrappable', 'truncated', 'env_error', 'group_incomplete')
 
@@ -34,16 +34,16 @@ class Packed(NamedTuple):
   """What `pack` returns.
 
   Attributes:
-    batch: the `Batch` of numpy arrays (`types.BATCH_FIELDS` dtypes).
+    batch: the `Batch` of numpy arrays (`structs.BATCH_FIELDS` dtypes).
     kept: index (into the input) of the trajectory in each real row, in row order.
     dropped: reason -> number of dropped trajectories (reasons in `DROP_REASONS`; only non-zero ones).
   """
-  batch: types.Batch
+  batch: structs.Batch
   kept: list[int]
   dropped: dict[str, int]
 
 
-def _drop_reason(traj: types.Trajectory, truncation: str) -> str | None:
+def _drop_reason(traj: structs.Trajectory, truncation: str) -> str | None:
   if 'error' in traj.info:
     return 'env_error'
   if traj.truncated and truncation == 'drop':
@@ -53,7 +53,7 @@ def _drop_reason(traj: types.Trajectory, truncation: str) -> str | None:
   return None
 
 
-def _check_groups(trajectories: Sequence[types.Trajectory], group_size: int) -> list[list[int]]:
+def _check_groups(trajectories: Sequence[structs.Trajectory], group_size: int) -> list[list[int]]:
   """Input indices by group: consecutive runs of `group_size` rows sharing a group id, each id used once."""
   if len(trajectories) % group_size:
     raise ValueError(f'{len(trajectories)} trajectories are not whole groups of config.algo.group_size='
@@ -70,7 +70,7 @@ def _check_groups(trajectories: Sequence[types.Trajectory], group_size: int) -> 
   return groups
 
 
-def select(trajectories: Sequence[types.Trajectory], *, group_size: int = 1,
+def select(trajectories: Sequence[structs.Trajectory], *, group_size: int = 1,
            truncation: str = 'bootstrap') -> tuple[list[int], collections.Counter[str]]:
   """Which trajectories a batch can take: `(kept indices, reason -> dropped count)`.
 
@@ -103,7 +103,7 @@ def select(trajectories: Sequence[types.Trajectory], *, group_size: int = 1,
   return kept, dropped
 
 
-def pack(trajectories: Sequence[types.Trajectory], *, seq_buckets: Sequence[int], pad_id: int,
+def pack(trajectories: Sequence[structs.Trajectory], *, seq_buckets: Sequence[int], pad_id: int,
          rows: int | None = None, group_size: int = 1, truncation: str = 'bootstrap') -> Packed:
   """Packs trajectories into a learner batch (see the module docstring).
 
@@ -139,7 +139,7 @@ def pack(trajectories: Sequence[types.Trajectory], *, seq_buckets: Sequence[int]
   t_len = fits[0]
 
   host = {k: np.zeros((b,) + ((t_len,) if rank == 2 else ()), dtype) for k, (rank, dtype) in
-          types.BATCH_FIELDS.items()}
+          structs.BATCH_FIELDS.items()}
   host['tokens'][:] = pad_id
   host['group_ids'][:] = -1
   for row, i in enumerate(kept):
@@ -153,12 +153,12 @@ def pack(trajectories: Sequence[types.Trajectory], *, seq_buckets: Sequence[int]
     host['group_ids'][row] = traj.group_id
     host['row_mask'][row] = 1.0
     host['policy_version'][row] = traj.policy_version
-  batch = types.Batch.of_host(SimpleNamespace(**host))
+  batch = structs.Batch.of_host(SimpleNamespace(**host))
   check_batch(batch)
   return Packed(batch, kept, {k: v for k, v in dropped.items() if v})
 
 
-def check_batch(batch: types.Batch) -> None:
+def check_batch(batch: structs.Batch) -> None:
   """Host check of the reward contract of a packed batch (numpy or fetched arrays).
 
   Every real row (`row_mask` 1) has an action token; a nonzero reward sits only on a real row's LAST action

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sao_jax import types
+from sao_jax import structs
 
 
 class QueueClosed(RuntimeError):
@@ -50,7 +50,7 @@ class QueueStats:
 @dataclasses.dataclass
 class BatchDraw:
   """What one `get_batch` returned: the trajectories, their staleness, and what it dropped on the way."""
-  trajectories: list[types.Trajectory]
+  trajectories: list[structs.Trajectory]
   staleness: np.ndarray
   dropped_stale: int
   dropped_equal_reward: int
@@ -67,7 +67,7 @@ class BatchDraw:
     }
 
 
-def staleness(item: Sequence[types.Trajectory], learner_version: int) -> int:
+def staleness(item: Sequence[structs.Trajectory], learner_version: int) -> int:
   """Learner version minus the oldest version that generated any turn of any trajectory of `item`."""
   return int(learner_version) - min(int(t.policy_version) for t in item)
 
@@ -94,7 +94,7 @@ class TrajectoryQueue:
     self.max_staleness = int(max_staleness)
     self.dynamic_sampling = bool(dynamic_sampling and group_size > 1)
     self._clock = clock
-    self._items: collections.deque[list[types.Trajectory]] = collections.deque()
+    self._items: collections.deque[list[structs.Trajectory]] = collections.deque()
     self._size = 0
     self._reserved = 0  # Room promised to episodes being generated.
     self._closed = False
@@ -148,7 +148,7 @@ class TrajectoryQueue:
       self._reserved = max(0, self._reserved - n)
       self._cond.notify_all()
 
-  def put(self, item: Sequence[types.Trajectory], timeout: float | None = None, *, reserved: bool = False) -> bool:
+  def put(self, item: Sequence[structs.Trajectory], timeout: float | None = None, *, reserved: bool = False) -> bool:
     """Adds one item, waiting while the queue is full (unless its room was `reserve`d); False on timeout.
 
     Raises:
@@ -175,7 +175,7 @@ class TrajectoryQueue:
       self._cond.notify_all()
     return True
 
-  def _rejection(self, item: list[types.Trajectory], learner_version: int) -> str | None:
+  def _rejection(self, item: list[structs.Trajectory], learner_version: int) -> str | None:
     """Why `item` cannot enter a batch ('stale', 'equal_reward') or None."""
     if staleness(item, learner_version) > self.max_staleness:
       return 'stale'
@@ -196,7 +196,7 @@ class TrajectoryQueue:
       raise ValueError(f'rows={rows} is not a multiple of group_size={self.group_size}.')
     t0 = self._clock()
     deadline = None if timeout is None else t0 + timeout
-    taken: list[list[types.Trajectory]] = []
+    taken: list[list[structs.Trajectory]] = []
     n = 0
     dropped = collections.Counter()
     with self._cond:

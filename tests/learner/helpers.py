@@ -8,7 +8,7 @@ from configs import base
 from sao_jax import config_lib
 from sao_jax import parallel
 from sao_jax.models import Decoder, get_model_config
-from sao_jax.types import Batch
+from sao_jax.structs import Batch
 
 VOCAB = 64
 MODEL = get_model_config('tiny', vocab_size=VOCAB, embed_dim=32, mlp_dim=64, num_heads=4, num_kv_heads=2,

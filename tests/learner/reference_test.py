@@ -27,7 +27,7 @@ from configs import base
 from sao_jax.learner import Learner
 from sao_jax.models import Decoder
 from sao_jax.models import value as value_lib
-from sao_jax.types import Batch
+from sao_jax.structs import Batch
 from tests.learner import helpers as H
 from tests.learner import reference as ref
 

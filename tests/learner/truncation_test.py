@@ -16,7 +16,7 @@ from flax import nnx
 from sao_jax.learner import Learner
 from sao_jax.learner import steps
 from sao_jax.models import value as value_lib
-from sao_jax.types import Batch
+from sao_jax.structs import Batch
 from tests.learner import helpers as H
 
 T = 16

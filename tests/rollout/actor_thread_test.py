@@ -4,7 +4,7 @@ and the thread stops after `max_consecutive_failures` in a row (a success in bet
 from absl.testing import absltest
 import numpy as np
 
-from sao_jax import types
+from sao_jax import structs
 from sao_jax.rollout import actor as actor_lib
 from sao_jax.rollout import trajectory_queue
 
@@ -25,7 +25,7 @@ class _FakeActor:
       return []
     if outcome == 'fail':
       raise RuntimeError('env exploded')
-    return [[types.Trajectory(tokens=np.array([1, 2, 3], np.int32), action_mask=np.array([0, 1, 1], bool),
+    return [[structs.Trajectory(tokens=np.array([1, 2, 3], np.int32), action_mask=np.array([0, 1, 1], bool),
                              behavior_logprobs=np.array([0.0, -1.0, -1.0], np.float32), reward=1.0)]] * 2  # 2 one-row groups
 
 

@@ -22,10 +22,10 @@ from sao_jax import rollout
 from sao_jax.envs import base
 from sao_jax.models import logprobs as logprobs_lib
 from sao_jax.models.config import get_model_config
-from sao_jax.models import continuous as continuous_lib
-from sao_jax.models.continuous import Admission, SlotSampler
+from sao_jax.generate import slots as continuous_lib
+from sao_jax.generate.slots import Admission, SlotSampler
 from sao_jax.models.llama import Decoder
-from sao_jax.models.sampling import SamplingParams
+from sao_jax.generate.sampling import SamplingParams
 from sao_jax.rollout import actor as actor_lib
 from sao_jax.rollout.continuous import ContinuousRunner, run_continuous
 from sao_jax.tokenizers import CharTokenizer

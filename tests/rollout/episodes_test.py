@@ -16,7 +16,7 @@ from sao_jax import rollout
 from sao_jax.envs import base
 from sao_jax.envs import calculator
 from sao_jax.envs import registry
-from sao_jax.models.sampling import SamplingParams
+from sao_jax.generate.sampling import SamplingParams
 from sao_jax.tokenizers import CharTokenizer
 from tests.rollout import helpers
 

@@ -7,14 +7,14 @@ import numpy as np
 
 from sao_jax import envs
 from sao_jax import rollout
-from sao_jax import types
+from sao_jax import structs
 from sao_jax.envs import calculator
 from sao_jax.tokenizers import CharTokenizer
 from tests.rollout import helpers
 
 
 def _traj(tokens, mask, logp, reward, **kwargs):
-  return types.Trajectory(tokens=np.asarray(tokens), action_mask=np.asarray(mask, bool),
+  return structs.Trajectory(tokens=np.asarray(tokens), action_mask=np.asarray(mask, bool),
                           behavior_logprobs=np.asarray(logp, np.float32), reward=reward, **kwargs)
 
 
@@ -32,7 +32,7 @@ class PackTest(parameterized.TestCase):
     b = _traj(**_B, truncated=False, policy_version=2)
     packed = rollout.pack([a, b], seq_buckets=(4, 8, 16), pad_id=0, rows=3)
     batch = packed.batch
-    self.assertIsInstance(batch, types.Batch)
+    self.assertIsInstance(batch, structs.Batch)
     self.assertEqual(batch.shape, (3, 8))  # The smallest bucket >= 7 tokens; one padding row.
     np.testing.assert_array_equal(batch.tokens, [[5, 6, 7, 8, 9, 10, 15, 0], [11, 12, 13, 14, 0, 0, 0, 0],
                                                  [0] * 8])
@@ -44,7 +44,7 @@ class PackTest(parameterized.TestCase):
     np.testing.assert_array_equal(batch.truncated, [False, False, False])
     np.testing.assert_array_equal(batch.group_ids, [-1, -1, -1])
     np.testing.assert_array_equal(batch.policy_version, [3, 2, 0])
-    for k, (rank, dtype) in types.BATCH_FIELDS.items():
+    for k, (rank, dtype) in structs.BATCH_FIELDS.items():
       self.assertEqual(getattr(batch, k).dtype, dtype, k)
       self.assertEqual(getattr(batch, k).ndim, rank, k)
     self.assertEqual((packed.kept, packed.dropped), ([0, 1], {}))

@@ -5,12 +5,12 @@ import threading
 from absl.testing import absltest
 import numpy as np
 
-from sao_jax import types
+from sao_jax import structs
 from sao_jax.rollout import trajectory_queue as tq
 
 
 def traj(version=0, reward=0.0, group_id=-1, n=3):
-  return types.Trajectory(tokens=np.arange(n), action_mask=np.ones(n, bool), behavior_logprobs=np.zeros(n),
+  return structs.Trajectory(tokens=np.arange(n), action_mask=np.ones(n, bool), behavior_logprobs=np.zeros(n),
                           reward=reward, policy_version=version, group_id=group_id)
 
 

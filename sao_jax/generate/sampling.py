@@ -1,7 +1,7 @@
 """Token selection: pure functions from last-position logits to sampled tokens and their log-probabilities.
 
 Everything here is jit/vmap friendly, has no Python control flow on traced values, and works on one decode
-step's logits `[B, V]`. The sampler (`sao_jax.models.sampler`) calls `select_tokens` once per step.
+step's logits `[B, V]`. The sampler (`sao_jax.generate.static`) calls `select_tokens` once per step.
 
 Two log-probabilities are returned for every selected token `a`:
 

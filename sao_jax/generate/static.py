@@ -57,11 +57,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sao_jax.models import sampling
+from sao_jax.generate import sampling
 from sao_jax.models.decode import (DecodeCache, DecodeWeights, decode_weights, forward, init_cache,
                                    last_logits, resize_cache)
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.sampling import SamplingParams
+from sao_jax.generate.sampling import SamplingParams
 
 Array = jax.Array
 
@@ -86,7 +86,7 @@ class StaticSettings:
   stop_ids: tuple[int, ...]
   pad_id: int
   window: int  # Attention window (slots) of this call's programs, see `decode.forward`.
-  # Continuous decode programs (`sao_jax.models.continuous`): (rows, window) of the short row group, whose rows
+  # Continuous decode programs (`sao_jax.generate.slots`): (rows, window) of the short row group, whose rows
   # attend over a smaller window than the others' `window` (`decode.forward_mixed`'s row groups); None: one group.
   split: tuple[int, int] | None = None
 

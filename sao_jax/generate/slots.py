@@ -86,7 +86,7 @@ atomically) once per device call: a swap takes effect at the next admit / decode
 Every token comes back with the version of the snapshot that generated it, so an episode running across a
 swap records the versions it saw.
 
-Token semantics are exactly those of `sao_jax.models.sampler` (tests compare the two): the same cached
+Token semantics are exactly those of `sao_jax.generate.static` (tests compare the two): the same cached
 forward pass, `sampling.select_tokens` keyed by (row seed, position of the drawn token), so a row's tokens do
 not depend on the slot it runs in or on its neighbours; `logprobs` are temperature-1 policy log-probs and
 `sampling_logprobs` those of the distribution actually sampled from.
@@ -108,11 +108,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from sao_jax import parallel
-from sao_jax.models import sampling
+from sao_jax.generate import sampling
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.decode import DecodeCache, DecodeWeights, forward, forward_mixed, init_cache, last_logits
-from sao_jax.models.sampler import StaticSettings, WeightsSnapshot, decode_windows, is_stop
-from sao_jax.models.sampling import SamplingParams
+from sao_jax.generate.static import StaticSettings, WeightsSnapshot, decode_windows, is_stop
+from sao_jax.generate.sampling import SamplingParams
 
 Array = jax.Array
 MIN_PREFIX = 8  # Tokens: a shorter shared prefix is not worth a cache of its own.
@@ -593,7 +593,7 @@ def compiled_programs() -> dict[str, int]:
 
 
 class SnapshotSource(Protocol):
-  """Where the weights come from: anything with a `snapshot` (e.g. `sao_jax.models.sampler.Sampler`)."""
+  """Where the weights come from: anything with a `snapshot` (e.g. `sao_jax.generate.static.Sampler`)."""
   cfg: ModelConfig
 
   @property

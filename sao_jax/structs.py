@@ -27,7 +27,7 @@ class Trajectory:
     action_mask: bool `[L]`, True on tokens the policy generated.
     behavior_logprobs: float32 `[L]`, on action tokens the log-prob of the token under the distribution the
       sampler ACTUALLY sampled it from (temperature / top-p / top-k applied: `log q(a)`, see
-      `sao_jax.models.sampling`); 0 elsewhere. The importance ratio of the learner is taken against it.
+      `sao_jax.generate.sampling`); 0 elsewhere. The importance ratio of the learner is taken against it.
     reward: scalar reward of the episode; it sits on the last action token (0 for a truncated episode).
     truncated: True when a length or turn limit cut the episode (not terminal: bootstrap or drop).
     policy_version: version of the params that generated it: the oldest of `turn_versions`.

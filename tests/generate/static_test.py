@@ -11,11 +11,11 @@ from absl.testing import parameterized
 from flax import nnx
 import ml_collections
 
-from sao_jax.models import sampling
+from sao_jax.generate import sampling
 from sao_jax.models.config import get_model_config
 from sao_jax.models.llama import Decoder
-from sao_jax.models.sampler import Sampler, StopReason, decode_windows
-from sao_jax.models.sampling import SamplingParams
+from sao_jax.generate.static import Sampler, StopReason, decode_windows
+from sao_jax.generate.sampling import SamplingParams
 
 _PROMPTS = ([5, 6, 7, 8, 9], [10, 11, 12], [13, 40, 41, 42, 43, 44, 45, 46, 47], [99])
 
