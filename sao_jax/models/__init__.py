@@ -7,7 +7,6 @@
 - `logprobs`: `token_logprobs(model, tokens, ...)` (DESIGN alignment, chunked over positions).
 - `value`: `ValueModel` (backbone + zero scalar head), `ValueModel.from_policy`, `CRITIC_ATTENTION`.
 - `build`: `build(config.model, mesh=, rules=, seed=) -> (model, model_config)`, named config or HF weights.
-
 - `hf_io`: `load_hf(dir, dtype=, mesh=, rules=)`, `save_hf(model, cfg, dir, tokenizer_dir=)`.
 """
 
