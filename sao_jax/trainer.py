@@ -42,7 +42,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from absl import logging
@@ -60,13 +59,13 @@ from sao_jax import parallel
 from sao_jax import rollout
 from sao_jax import sft
 from sao_jax.envs import registry
-from sao_jax.envs.base import Example, ExampleIterator
 from sao_jax.errors import ConfigError
 from sao_jax.learner import Learner
 from sao_jax.learner import state as state_lib
 from sao_jax.learner import steps as steps_lib
 from sao_jax.generate.sampling import SamplingParams
 from sao_jax.rollout import actor as actor_lib
+from sao_jax.rollout import prompts as prompts_lib
 from sao_jax.rollout import trajectory_queue
 from sao_jax.tokenizers import get_tokenizer
 
@@ -137,7 +136,7 @@ def _restore_train_state(spec: state_lib.ModelSpec, ts: state_lib.TrainState, we
 
 
 def save_checkpoint(ckpt: checkpoint_lib.Checkpointer, learner: Learner, model_config: Any, config: Any,
-                    prompts: actor_lib.PromptSource) -> None:
+                    prompts: prompts_lib.PromptSource) -> None:
   state = learner.state
   critic = learner.critic_model()
   ckpt.save(checkpoint_lib.CheckpointState(
@@ -149,7 +148,7 @@ def save_checkpoint(ckpt: checkpoint_lib.Checkpointer, learner: Learner, model_c
 
 
 def restore_checkpoint(ckpt: checkpoint_lib.Checkpointer, learner: Learner, config: Any,
-                       prompts: actor_lib.PromptSource) -> int:
+                       prompts: prompts_lib.PromptSource) -> int:
   """Restores the newest intact checkpoint into `learner` and `prompts`; returns its step.
 
   Raises:
@@ -189,28 +188,6 @@ def restore_checkpoint(ckpt: checkpoint_lib.Checkpointer, learner: Learner, conf
 
 # ------------------------------------------------------------------------------------------------------------
 # Several processes.
-
-
-class ProcessShard(ExampleIterator):
-  """Process `index` of `count` takes examples `index, index + count, ...` of the task's stream: disjoint shares,
-  the same seed everywhere. Its state is the inner iterator's (always advanced by whole rounds of `count`)."""
-
-  def __init__(self, inner: ExampleIterator, index: int, count: int):
-    self._inner, self._index, self._count = inner, int(index), int(count)
-
-  def __next__(self) -> Example:
-    out = None
-    for i in range(self._count):
-      ex = next(self._inner)
-      if i == self._index:
-        out = ex
-    return out
-
-  def state(self) -> dict[str, Any]:
-    return self._inner.state()
-
-  def restore(self, state: Mapping[str, Any]) -> None:
-    self._inner.restore(state)
 
 
 def _all_process_states(state: dict[str, Any]) -> list[dict[str, Any]]:
@@ -370,8 +347,8 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
   # ---- Checkpoint: resume when the workdir holds one.
   stream = task.train_iterator(int(config.seed))
   if jax.process_count() > 1:
-    stream = ProcessShard(stream, jax.process_index(), jax.process_count())
-  prompts = actor_lib.PromptSource(stream)
+    stream = prompts_lib.ProcessShard(stream, jax.process_index(), jax.process_count())
+  prompts = prompts_lib.PromptSource(stream)
   # After uneven compile work. Orbax's first barrier, a restore's fingerprints and a warm start run collectives
   # next: the handshake sets up the learner devices' (and the process gathers') gloo contexts first.
   parallel.sync('checkpointer', meshes=(mesh,))

@@ -15,7 +15,8 @@
 - `pack`: `pack(...) -> Packed(batch, kept, dropped)`, `select` (what a batch can take), `check_batch`,
   `DROP_REASONS`.
 - `trajectory_queue`: the bounded `TrajectoryQueue` between actors and the learner (staleness, whole groups).
-- `actor`: `Actor`, `ActorThread`, `PromptSource`, `WeightPublisher` (what the trainer runs).
+- `prompts`: `PromptSource` (the shared, numbered prompt stream), `ProcessShard` (one process's share).
+- `actor`: `Actor`, `ActorThread`, `WeightPublisher` (what the trainer runs).
 """
 
 from sao_jax.rollout.backends import Backend, ContextBackend, GenerateFn, Generation, SamplerBackend

@@ -27,17 +27,13 @@ computed version (`WeightPublisher.latest(computed=True)`), never one in flight:
 next device call behind the whole update, even on devices of its own (a program waits for its inputs), and
 leave the actors idle for every update. A sync actor waits: it must play the newest.
 
-Prompts. `PromptSource` hands out the task's training examples to every actor under a lock, numbered in the
-order taken; a prompt's G rollouts share its number as `group_id`, and each episode's sampling seed is
-`episode_seed(config.seed, number, j)`, so what a prompt generates does not depend on which actor took it.
-Its `state()` (the iterator's position) goes into checkpoints: a resumed run continues with the next prompt
-not yet handed out (prompts that were in flight or queued at the save are not replayed).
+Prompts come from the shared `PromptSource` (`sao_jax.rollout.prompts`), numbered in the order taken.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from absl import logging
@@ -47,138 +43,17 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sao_jax import structs
-from sao_jax.envs.base import Example, ExampleIterator, Task
+from sao_jax.envs.base import Task
 from sao_jax.generate.slots import SlotSampler
 from sao_jax.generate.sampling import SamplingParams
 from sao_jax.rollout.backends import SamplerBackend
 from sao_jax.rollout.continuous import ContinuousRunner
 from sao_jax.rollout.episodes import EpisodeLimits, episode_seed, run_episodes
+from sao_jax.rollout.prompts import PromptSource
 from sao_jax.rollout.trajectory_queue import QueueClosed, TrajectoryQueue
 from sao_jax.tokenizers import Tokenizer
 
 WEIGHT_SWITCHES = ('turn', 'episode')
-
-
-class PromptSource:
-  """The task's training examples, handed out under a lock and numbered in order (see the module docstring)."""
-
-  def __init__(self, iterator: ExampleIterator):
-    self._iterator = iterator
-    self._lock = threading.Lock()
-    self._taken = 0
-
-  def take(self, n: int) -> list[tuple[int, Example]]:
-    with self._lock:
-      out = []
-      for _ in range(n):
-        out.append((self._taken, next(self._iterator)))
-        self._taken += 1
-      return out
-
-  @property
-  def taken(self) -> int:
-    return self._taken
-
-  def state(self) -> dict[str, Any]:
-    with self._lock:
-      return {'iterator': self._iterator.state(), 'taken': self._taken}
-
-  def restore(self, state: Mapping[str, Any]) -> None:
-    with self._lock:
-      self._iterator.restore(state['iterator'])
-      self._taken = int(state['taken'])
-
-
-class _Published(NamedTuple):
-  graphdef: Any
-  state: Any  # On the actors' sharding; futures until the update that computes them (and the copy) has run.
-  version: int
-
-
-class WeightPublisher:
-  """The newest policy weights and their version, copied onto the actors' sharding (module docstring).
-
-  Args:
-    shardings_fn: `state -> shardings` of the actor copy on the actors' own mesh (`parallel.make_actor_mesh`),
-      or None: the actors share the learner's mesh, each array keeps its sharding (a device-side copy).
-
-  With an actor mesh the copy is `jax.device_put` onto it (dispatched asynchronously: the learner goes on). A
-  learner state that spans several processes is first all-gathered on the learner mesh (one jitted program that
-  every process runs at the same point of the loop), then each process copies its local replica onto its own
-  actor devices.
-
-  Published weights are futures of the update still in flight. Besides the newest, the publisher keeps the
-  newest computed version (`latest(computed=True)`, `computed_version`) until a newer one is computed too: the
-  trainer publishes right after each dispatch, so a busy learner's newest weights are nearly always in flight,
-  and an actor that only takes computed weights must still find the previous version (two copies at most).
-  """
-
-  def __init__(self, shardings_fn: Callable[[Any], Any] | None = None):
-    self._shardings_fn = shardings_fn
-    self._lock = threading.Lock()
-    self._published: list[_Published] = []  # Oldest first: the newest computed one, then newer ones in flight.
-    self._copy = None
-    self._target = None
-    self._gather = None
-
-  def _to_actors(self, state: Any) -> Any:
-    if self._shardings_fn is None:
-      if self._copy is None:
-        self._copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
-      return self._copy(state)
-    if self._target is None:
-      self._target = self._shardings_fn(state)
-    if not all(x.is_fully_addressable for x in jax.tree.leaves(state)):
-      if self._gather is None:
-        mesh = next(x.sharding.mesh for x in jax.tree.leaves(state) if hasattr(x.sharding, 'mesh'))
-        self._gather = jax.jit(lambda s: jax.tree.map(jnp.copy, s),
-                               out_shardings=NamedSharding(mesh, PartitionSpec()))
-      state = jax.tree.map(lambda x: x.addressable_data(0), self._gather(state))
-    return jax.device_put(state, self._target)
-
-  def _computed(self, entry: _Published) -> bool:
-    """`entry`'s arrays hold values (a program reading them runs at once)."""
-    return all(x.is_ready() for x in jax.tree.leaves(entry.state))
-
-  def _newest_computed(self) -> _Published | None:
-    """Under the lock: the newest computed entry (older ones are let go), or None."""
-    for i in range(len(self._published) - 1, -1, -1):
-      if self._computed(self._published[i]):
-        del self._published[:i]
-        return self._published[0]
-    return None
-
-  def publish(self, model: nnx.Module, *, version: int) -> None:
-    graphdef, state = nnx.split(model)
-    copied = self._to_actors(state)
-    with self._lock:
-      self._published.append(_Published(graphdef, copied, int(version)))
-      self._newest_computed()
-
-  @property
-  def version(self) -> int:
-    """The newest published version (-1 before the first)."""
-    with self._lock:
-      return self._published[-1].version if self._published else -1
-
-  @property
-  def computed_version(self) -> int:
-    """The newest version whose weights are computed (-1 when none is yet)."""
-    with self._lock:
-      entry = self._newest_computed()
-      return -1 if entry is None else entry.version
-
-  def latest(self, computed: bool = False) -> tuple[nnx.Module, int]:
-    """The newest published weights as a model, with their version; `computed`: the newest computed ones
-    (taking them costs no wait; a program reading weights still in flight waits for their update, even on
-    devices of its own)."""
-    with self._lock:
-      if not self._published:
-        raise RuntimeError('No weights have been published yet.')
-      entry = self._newest_computed() if computed else self._published[-1]
-      if entry is None:
-        raise RuntimeError('No published weights are computed yet.')
-    return nnx.merge(entry.graphdef, entry.state), entry.version
 
 
 class _FollowingBackend:

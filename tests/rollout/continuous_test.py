@@ -27,6 +27,7 @@ from sao_jax.generate.slots import Admission, SlotSampler
 from sao_jax.models.llama import Decoder
 from sao_jax.generate.sampling import SamplingParams
 from sao_jax.rollout import actor as actor_lib
+from sao_jax.rollout import prompts as prompts_lib
 from sao_jax.rollout.continuous import ContinuousRunner, run_continuous
 from sao_jax.tokenizers import CharTokenizer
 from tests.rollout import helpers
@@ -754,7 +755,7 @@ class ContinuousTest(absltest.TestCase):
     task = helpers.EchoTask(self.examples, 'message', self.stop_texts, 3, on_step)
     publisher = actor_lib.WeightPublisher()
     publisher.publish(self.model, version=4)
-    prompts = actor_lib.PromptSource(itertools.cycle(self.examples))
+    prompts = prompts_lib.PromptSource(itertools.cycle(self.examples))
     actor = actor_lib.Actor(self.backend, self.tok, task, prompts, publisher=publisher, limits=self.limits,
                             decoding=_SAMPLED, seed=1, group_size=2, episodes_per_call=2, continuous=True,
                             slot_sampler=self.slots, max_staleness=1)
@@ -794,7 +795,7 @@ class ContinuousTest(absltest.TestCase):
     self.addCleanup(self.backend.update_weights, self.model, version=4)
     publisher = _HeldPublisher()
     publisher.publish(self.model, version=4)
-    prompts = actor_lib.PromptSource(itertools.cycle(self.examples))
+    prompts = prompts_lib.PromptSource(itertools.cycle(self.examples))
     actors = {wait: actor_lib.Actor(self.backend, self.tok, self.task, prompts, publisher=publisher,
                                     limits=self.limits, decoding=_GREEDY, seed=0, wait_for_weights=wait)
               for wait in (False, True)}
@@ -850,7 +851,7 @@ class ContinuousTest(absltest.TestCase):
                                 decoding=_GREEDY, seeds=list(range(n)))
     publisher = actor_lib.WeightPublisher()
     publisher.publish(self.model, version=4)
-    prompts = actor_lib.PromptSource(itertools.cycle(self.examples))
+    prompts = prompts_lib.PromptSource(itertools.cycle(self.examples))
     actor = actor_lib.Actor(self.backend, self.tok, self.task, prompts, publisher=publisher, limits=self.limits,
                             decoding=_GREEDY, seed=0, group_size=2, episodes_per_call=2, continuous=True,
                             slot_sampler=self.slots)
