@@ -113,7 +113,7 @@ def config_differences(saved: dict[str, Any], config: Any) -> list[str]:
           if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k) and not added_at_default(k)]
 
 
-def _optimizer_item(state: steps_lib.LearnerState) -> dict[str, Any]:
+def _optimizer_item(state: state_lib.LearnerState) -> dict[str, Any]:
   """Everything of the learner state but the models' weights (saved as the policy / critic items)."""
   def part(ts):
     if ts is None:
@@ -176,7 +176,7 @@ def restore_checkpoint(ckpt: checkpoint_lib.Checkpointer, learner: Learner, conf
   critic_ts = None
   if state.critic is not None:
     critic_ts = _restore_train_state(learner.critic_spec, state.critic, got.critic, got.optimizer['critic'])
-  learner.state = steps_lib.LearnerState(policy=policy, critic=critic_ts, step=got.optimizer['learner_step'])
+  learner.state = state_lib.LearnerState(policy=policy, critic=critic_ts, step=got.optimizer['learner_step'])
   by_process = got.data.get('prompts_by_process') or [got.data['prompts']]
   if len(by_process) != jax.process_count():
     raise ConfigError(f'The checkpoint of step {step} holds the data positions of {len(by_process)} process(es); '

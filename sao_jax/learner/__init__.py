@@ -8,4 +8,4 @@ from sao_jax.learner.optim import make_schedule
 from sao_jax.learner.optim import optimizer_horizons
 from sao_jax.learner.state import create_train_state
 from sao_jax.learner.state import TrainState
-from sao_jax.learner.steps import LearnerState
+from sao_jax.learner.state import LearnerState

@@ -117,8 +117,8 @@ class Learner:
           critic, tx_at(critic_hp), self.mesh, rules, trainable=critic_trainable(bool(o.freeze_critic_attention)))
       self.critic_spec = dataclasses.replace(self.critic_spec, tx_at=tx_at)
     step0 = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=rep)()
-    self.state = steps_lib.LearnerState(policy=policy_state, critic=critic_state, step=step0)
-    self.state_shardings = steps_lib.LearnerState(policy=policy_sh, critic=critic_sh, step=rep)
+    self.state = state_lib.LearnerState(policy=policy_state, critic=critic_state, step=step0)
+    self.state_shardings = state_lib.LearnerState(policy=policy_sh, critic=critic_sh, step=rep)
 
     # Reference policy for the KL penalty: a frozen copy of the initial policy.
     self.ref_graphdef, self.ref_state, ref_sh = None, None, None
@@ -248,7 +248,7 @@ class Learner:
       return None
     return state_lib.merge(self.critic_spec, self.state.critic)
 
-  def abstract_state(self) -> steps_lib.LearnerState:
+  def abstract_state(self) -> state_lib.LearnerState:
     """`jax.ShapeDtypeStruct`s (with shardings) of the learner state: the restore target of a checkpoint."""
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
                         self.state_shardings)

@@ -43,6 +43,20 @@ class TrainState:
   consecutive_skips: jax.Array
 
 
+@flax.struct.dataclass
+class LearnerState:
+  """Everything the learner updates: one train state per model and the learner-step counter.
+
+  Attributes:
+    policy: the policy's `TrainState`.
+    critic: the critic's `TrainState` (None for the GRPO family).
+    step: learner steps done (int32); the critic-only warmup compares it to `critic_warmup_steps`.
+  """
+  policy: TrainState
+  critic: TrainState | None
+  step: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """Static side of a train state: how to rebuild the module and update it.

@@ -47,7 +47,6 @@ from collections.abc import Callable
 from typing import Any
 
 import chex
-import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
@@ -63,20 +62,6 @@ from sao_jax.structs import Batch
 
 Metrics = dict[str, jax.Array]
 Hparams = dict[str, Any]  # `StepConfig.hparams()`: host scalars, or the jitted step's inputs.
-
-
-@flax.struct.dataclass
-class LearnerState:
-  """Everything the learner updates: one train state per model and the learner-step counter.
-
-  Attributes:
-    policy: the policy's `TrainState`.
-    critic: the critic's `TrainState` (None for the GRPO family).
-    step: learner steps done (int32); the critic-only warmup compares it to `critic_warmup_steps`.
-  """
-  policy: state_lib.TrainState
-  critic: state_lib.TrainState | None
-  step: jax.Array
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -438,7 +423,7 @@ def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
   `hparams` (`step_hparams`): the step's numbers as inputs; None = `cfg`'s and the specs' `tx`, as constants.
   """
 
-  def step(state: LearnerState, batch: Batch, ref_params: Any = None, hparams: Any = None):
+  def step(state: state_lib.LearnerState, batch: Batch, ref_params: Any = None, hparams: Any = None):
     chex.assert_rank(batch.tokens, 2)
     h, policy_hp, critic_hp = _unpack(cfg, hparams)
     f32 = jnp.float32
@@ -511,7 +496,7 @@ def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
         'guard/policy_skipped_total': policy_ts.skipped.astype(f32),
         'guard/critic_skipped_total': critic_ts.skipped.astype(f32),
     }
-    return LearnerState(policy=policy_ts, critic=critic_ts, step=state.step + 1), metrics
+    return state_lib.LearnerState(policy=policy_ts, critic=critic_ts, step=state.step + 1), metrics
 
   return step
 
@@ -521,7 +506,7 @@ def make_group_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec, 
   """Pure GRPO-family step: `(LearnerState, Batch, ref_state | None, hparams | None) -> (LearnerState, metrics)`
   (see `make_sao_step`)."""
 
-  def step(state: LearnerState, batch: Batch, ref_params: Any = None, hparams: Any = None):
+  def step(state: state_lib.LearnerState, batch: Batch, ref_params: Any = None, hparams: Any = None):
     h, policy_hp, _ = _unpack(cfg, hparams)
     f32 = jnp.float32
     mask = batch.action_mask.astype(f32) * batch.row_mask.astype(f32)[:, None]
@@ -539,6 +524,6 @@ def make_group_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec, 
         **_batch_metrics(batch, mask),
         'guard/policy_skipped_total': policy_ts.skipped.astype(f32),
     }
-    return LearnerState(policy=policy_ts, critic=None, step=state.step + 1), metrics
+    return state_lib.LearnerState(policy=policy_ts, critic=None, step=state.step + 1), metrics
 
   return step
