@@ -2,27 +2,18 @@
 
     python -m sao_jax.main --config=configs/calculator.py[:MAX_TURNS] --workdir=/tmp/sao_calc   (default 4 turns)
 
-The demo's 0.14M-parameter decoder (`model.name='demo'`, char tokenizer), randomly initialised, learns to use the
-tool on 3-4-digit problems with 2 operators (e.g. "Compute 560*1313+9537."): a short supervised warm start on
-the task's reference episodes (`config.sft`), then SAO (async, single rollout, critic from the warm-started
-policy, K=2, frozen attention, critic warmup). A reference episode is
+The 0.14M-parameter `demo` decoder (char tokenizer), randomly initialised, learns to use the tool on 3-4-digit
+problems with 2 operators: a supervised warm start on the task's reference episodes (`config.sft`), then
+SAO (agentic band). A reference episode, laid out by the rollout's episode runner exactly as a sampled one (loss
+and policy gradient on the assistant's tokens only, never on the tool's result):
 
     <calc>560*1313+9537</calc> | <result>744817</result> | <answer>744817</answer><|end|>
     (assistant: tool call)       (observation, inline)      (assistant: the answer)
 
-laid out by the rollout's episode runner exactly as a sampled episode: the loss and the policy gradient fall on
-the assistant's tokens only, never on the tool's result. The model must copy the expression into the call and
-the result into the answer; the tool does the arithmetic (no 2-layer model multiplies 4-digit numbers in one
-pass). The held-out greedy accuracy is logged at step 0 (after the warm start; the step-0 row also holds
-`sft/eval_accuracy_before`, the random model's), every `trainer.eval_every` steps and at the end, in
-WORKDIR/metrics.jsonl.
-
-Measured (probes of this config cut to 60 learner steps, seed 0, on the 2-core CPU shared with other runs, load
-average 5-11): the warm start took 86-113 s, a learner step 3-4 s at that load (the first ~10 are slower:
-compiles); see the comments below for the accuracies.
-
-The prompt is the problem alone (`tool_instructions=False`, `instruct_format=False`): the warm start teaches the
-tool and the answer format, and a 200-character tool description would make every episode four times longer.
+The model copies the expression into the call and the result into the answer; the tool does the arithmetic. The
+prompt is the problem alone (`tool_instructions=False`): the warm start teaches the tool and the answer format,
+and a tool description would make every episode four times longer. Held-out greedy accuracy (step 0 = after the
+warm start): WORKDIR/metrics.jsonl.
 """
 
 import ml_collections
@@ -58,9 +49,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.trainer.seq_buckets = (80, 128)  # Packed lengths: the warm start's rows and most episodes (one call, then the
   # answer) fit 80; a batch with a longer episode (repeated calls) takes 128 (a second compile of the step).
 
-  # ---- Supervised warm start on reference episodes. It stops early on purpose, so that SAO does a measurable
-  # share of the rise: the copying clicks in fast (seed 0, greedy held-out accuracy: 0% at 100 steps, 40% at 160,
-  # 76% at 200, 96% at 300, 98% at 400), so the step-0 level varies with the seed.
+  # ---- Supervised warm start on reference episodes, stopped early on purpose, so that SAO does a measurable share
+  # of the rise: the copying clicks in between 100 and 200 steps (docs/benchmarks/demo.md), so the step-0 level
+  # varies with the seed.
   c.sft.steps = 160  # Cross-entropy steps.
   c.sft.batch_size = 64  # Problems per step (a fresh problem for every row).
   c.sft.lr = 2e-3  # Peak learning rate (arith's).
@@ -71,8 +62,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # ---- SAO.
   c.trainer.mode = 'async'  # Sampler thread + queue, the learner updates as soon as a batch is there.
   c.trainer.batch_size = 64  # Trajectories per learner step.
-  c.trainer.num_steps = 300  # Learner steps (a 60-step probe, seed 0, cosine horizon 200: 40% at step 0 -> 56% at
-  # 20, 60% at 40, 63% at 60, still rising; the full 300 steps are not measured yet).
+  c.trainer.num_steps = 300  # Learner steps.
   c.trainer.max_staleness = 4  # Drop trajectories more than 4 versions behind the learner.
   c.trainer.queue_size = 64  # One sampler call of room: trajectories lag the learner by one version.
   c.task.eval_size = 256  # Held-out problems (a fixed stream, never trained on).
@@ -82,10 +72,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.num_threads = 1  # One sampler thread (2 cores: the learner has the other).
   c.sampler.continuous = False  # Static calls, as the demo (configs/arith.py): turns of <= 20 tokens and instant
   # tools leave continuous batching little to win against the compile of its slot programs.
-  c.optim.actor_lr = 2e-4  # Arith's: a 0.14M-parameter model takes larger steps than SAO's 1e-6 (a 60-step probe at
-  # 4e-4 first fell to 23% at step 20, then rose to 55% at 60).
+  c.optim.actor_lr = 2e-4  # Arith's: a 0.14M-parameter model takes larger steps than SAO's 1e-6 (4e-4 first fell,
+  # then rose slower: docs/benchmarks/demo.md).
   c.optim.schedule = 'cosine'  # Decay to lr * end_lr_factor over the run.
-  c.optim.total_steps = 300  # Cosine horizon of both optimizers (as measured; 0 = each one's updates in the run).
+  c.optim.total_steps = 300  # Cosine horizon of both optimizers (0 = each one's own updates in the run).
   c.optim.end_lr_factor = 0.1  # Floor of the decay.
   c.optim.critic_lr = 1e-3  # Critic (value head from zero, backbone from the warm-started policy).
   return c

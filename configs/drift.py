@@ -2,22 +2,14 @@
 
     python -m sao_jax.main --config=configs/drift.py --workdir=/tmp/sao_drift     # `:PERIOD` sets the period
 
-The demo's 0.14M-parameter model (`configs/arith.py`) is warm-started on a broad base rule (operands of 1-3 digits,
-`+`, `-` and `*` by one digit, mixed), then trained by RL while the rule shifts every `period` learner steps
-through sub-distributions of it: 2-digit sums and differences only, then products of 2-3 digits by one digit
-only, then back to the base mix (and around again with `cycle`). Each shift moves the training and the held-out
-distribution at once: the held-out greedy accuracy (logged every `trainer.eval_every` steps) is always on the
-current phase's own held-out set, so a curve shows the level at a shift and the recovery or gain after it
-(`experiments/report.py` counts the steps back to the pre-shift level); the return to the base mix shows what
-specialising on the other phases cost. The current phase is logged as `drift/phase`.
-
-Why sub-distributions of the warm start rather than new rules: probes of the demo's warm-started models (seed 0)
-found they answer almost nothing they were not warm-started on (2-digit model: 3-digit operands 0%, two operators
-0%, a prompt with the format instruction does not fit; this base's model: 3-digit sums 3.5%, which 100 RL steps
-did not move, 2-5%), and a policy that never earns a reward cannot learn from it. Measured on this base's model
-after 200 steps (seed 0): 2-digit sums 51%, products of 2-3 digits 48%, the base mix ~70%: each phase has room
-to improve by RL. Phases are sized to have thousands of distinct problems (1-digit operands, 300 problems, let a
-probe's policy memorise its 100 training problems: 98% reward against 80% held out).
+The demo's model (`configs/arith.py`) is warm-started on a broad base rule (operands of 1-3 digits, `+`, `-` and
+`*` by one digit), then trained by RL while the rule moves every `period` learner steps through sub-distributions
+of it: 2-digit sums and differences, products of 2-3 digits by one digit, the base mix again (`cycle`). The
+held-out greedy accuracy is always on the current phase's own held-out set (the phase: `drift/phase`), so a curve
+shows the level at a shift and the recovery after it, and the return to the base mix what specialising cost.
+Phases are sub-distributions of the warm start, not new rules: the warm-started model answers almost nothing it
+was not warm-started on, and a policy that never earns a reward cannot learn from it; each phase has thousands
+of distinct problems, or the policy memorises them (docs/benchmarks/demo.md).
 """
 
 import ml_collections

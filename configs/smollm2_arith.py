@@ -45,11 +45,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.prompt_buckets = (72, 168)  # One prefill shape for SmolLM2 (72), one for the char smoke run.
   c.sampler.batch_size = 16  # Episodes per sampler call.
   c.sampler.continuous = False  # Static calls: single-turn replies of <= 32 tokens leave continuous batching little
-  # to win, against the compile of its ~30 slot programs (configs/arith.py's probe).
+  # to win, against the compile of its ~30 slot programs (docs/benchmarks/demo.md).
 
   c.trainer.mode = 'async'  # One actor thread beside the learner.
   c.trainer.batch_size = 16  # Trajectories per learner step.
-  c.trainer.num_steps = 30  # Learner steps (~100 s each on an idle 2-core CPU, sampling included: ~55 minutes).
+  c.trainer.num_steps = 30  # Learner steps: ~55 minutes on an idle 2-core CPU (docs/benchmarks/demo.md).
   c.trainer.max_staleness = 2  # Trajectories at most 2 versions old.
   c.trainer.queue_size = 32  # Two sampler calls.
   c.trainer.seq_buckets = (104, 200)  # Packed lengths: every SmolLM2 row fits 104 (one learner compile).
