@@ -41,6 +41,7 @@ from sao_jax import rollout
 from sao_jax import tokenizers
 from sao_jax import structs
 from sao_jax.envs import evaluation
+from sao_jax.generate.config import GenerateConfig
 from sao_jax.generate.sampling import SamplingParams
 from sao_jax.tokenizers import Tokenizer
 
@@ -55,25 +56,6 @@ class EvalRun:
   summary: dict[str, float]
 
 
-def make_backend(model, tokenizer: Tokenizer, task, config, *, sampler=None, batch_size: int | None = None,
-                 version: int | None = None) -> rollout.SamplerBackend:
-  """The KV-cache sampler backend for `task`'s episodes (stop ids: tokenizer end-of-turn + env stop texts;
-  calls padded to `batch_size` rows, default `config.sampler.batch_size`; `model`'s weights are policy
-  `version`)."""
-  cfg = getattr(model, 'cfg', None)
-  vocab = getattr(tokenizer, 'vocab_size', None)
-  if cfg is not None and vocab is not None and vocab > cfg.vocab_size:
-    raise ValueError(f'The tokenizer has {vocab} tokens but the model only {cfg.vocab_size} embeddings '
-                     '(wrong tokenizer for this model? see config.model.tokenizer).')
-  examples = task.eval_set()
-  stop_ids = (rollout.stop_ids_for(task.make_env(examples[0]), tokenizer) if examples
-              else tuple(tokenizer.stop_ids))
-  return rollout.SamplerBackend(model, stop_ids=stop_ids, pad_id=tokenizer.pad_id,
-                        max_total_len=int(config.sampler.max_seq_len),
-                        prompt_buckets=tuple(config.sampler.prompt_buckets),
-                        min_rows=int(batch_size or config.sampler.batch_size), sampler=sampler, version=version)
-
-
 def run_eval(backend: rollout.Backend, tokenizer: Tokenizer, task, config, *, num_samples: int = 0,
              greedy: bool = True, temperature: float | None = None, top_p: float | None = None,
              top_k: int | None = None, limit: int | None = None, batch_size: int | None = None,
@@ -82,7 +64,7 @@ def run_eval(backend: rollout.Backend, tokenizer: Tokenizer, task, config, *, nu
   """Plays the eval set with `backend` and scores it (see the module docstring).
 
   Args:
-    backend: generation backend (`make_backend(...)` for the KV-cache sampler).
+    backend: generation backend (`rollout.make_backend(...)` for the static engine).
     tokenizer: the model's tokenizer.
     task: a `sao_jax.envs` task (`get_task(config.task)`).
     config: the run config (`config.task.max_turns`, `config.sampler.*`, `config.seed`).
@@ -187,7 +169,7 @@ def evaluate(model, tokenizer: Tokenizer, task, config, *, num_samples: int = 0,
     output: write per-problem results to this JSONL path (and the summary to `<output>.summary.json`).
     sampler: a `Sampler` to reuse (its weights are refreshed from `model`).
     backend: a ready `Backend`; default: a new KV-cache sampler over `model` (which compiles its programs).
-      For periodic evals build `backend = make_backend(model, tokenizer, task, config)` once and pass it with
+      For periodic evals build `backend = rollout.make_backend(model, tokenizer, task, settings)` once and pass it with
       the current model each time: its weights are refreshed from `model` and its compiled programs reused.
     version: policy version of `model` (the learner step), stamped on the trajectories' turns.
     **kwargs: `run_eval` options (temperature, top_p, top_k, limit, batch_size, seed, ks, progress, ...).
@@ -199,8 +181,8 @@ def evaluate(model, tokenizer: Tokenizer, task, config, *, num_samples: int = 0,
   if backend is None:
     if model is None:
       raise ValueError('evaluate needs a model (or a backend).')
-    backend = make_backend(model, tokenizer, task, config, sampler=sampler, batch_size=kwargs.get('batch_size'),
-                           version=version)
+    backend = rollout.make_backend(model, tokenizer, task, GenerateConfig.from_config(config), sampler=sampler,
+                                   batch_size=kwargs.get('batch_size'), version=version)
   elif model is not None and hasattr(backend, 'update_weights'):
     backend.update_weights(model, version=version)
   run = run_eval(backend, tokenizer, task, config, num_samples=num_samples, greedy=greedy, **kwargs)
@@ -308,7 +290,8 @@ def main(argv: Sequence[str]) -> None:
   output = f['output'].value or f'eval_{task.name}.jsonl'
   try:
     run = run_eval(
-        make_backend(model, tokenizer, task, config, batch_size=f['batch_size'].value or None), tokenizer,
+        rollout.make_backend(model, tokenizer, task, GenerateConfig.from_config(config),
+                             batch_size=f['batch_size'].value or None), tokenizer,
         task, config,
         num_samples=f['num_samples'].value, greedy=f['greedy'].value, temperature=f['temperature'].value,
         top_p=f['top_p'].value, top_k=f['top_k'].value, limit=f['limit'].value or None,

@@ -20,6 +20,7 @@ from configs import smollm2_arith as smollm2_arith_config
 from sao_jax import checkpoint
 from sao_jax import eval as eval_lib
 from sao_jax import rollout
+from sao_jax.generate.config import GenerateConfig
 from sao_jax.envs import answers
 from tests import multiprocess
 from sao_jax.envs import arith_words
@@ -190,10 +191,10 @@ class MakeBackendTest(absltest.TestCase):
     task = registry.get_task(config.task)
     plain = sampler_lib.Sampler(model, stop_ids=tok.stop_ids, pad_id=tok.pad_id)
     with self.assertRaisesRegex(ValueError, 'does not stop on token'):
-      eval_lib.make_backend(model, tok, task, config, sampler=plain)
+      rollout.make_backend(model, tok, task, GenerateConfig.from_config(config), sampler=plain)
     big = helpers.small_model(tok.vocab_size - 10, seed=0)
     with self.assertRaisesRegex(ValueError, 'only .* embeddings'):
-      eval_lib.make_backend(big, tok, task, config)
+      rollout.make_backend(big, tok, task, GenerateConfig.from_config(config))
 
 
 class EndToEndTest(absltest.TestCase):
@@ -206,7 +207,7 @@ class EndToEndTest(absltest.TestCase):
     tok = CharTokenizer()
     task = registry.get_task(config.task)
     model = helpers.small_model(tok.vocab_size, seed=1)
-    backend = eval_lib.make_backend(model, tok, task, config, batch_size=4)
+    backend = rollout.make_backend(model, tok, task, GenerateConfig.from_config(config), batch_size=4)
     rows, generate = [], backend.sampler.generate
 
     def spy(prompts, **kwargs):

@@ -13,7 +13,7 @@ from sao_jax import models
 from sao_jax import parallel
 from sao_jax import trainer
 from sao_jax.errors import ConfigError
-from sao_jax.rollout import actor as actor_lib
+from sao_jax.generate.weights import WeightPublisher
 from sao_jax import config_lib
 from tests import trainer_helpers
 
@@ -41,7 +41,7 @@ class DevicesTest(absltest.TestCase):
     mesh = parallel.make_mesh(config.mesh, learner_devices)
     model, _ = models.build(config.model, mesh=mesh, rules=config.mesh.rules, seed=0)
     actor_mesh = parallel.make_actor_mesh(actor_devices)
-    publisher = actor_lib.WeightPublisher(lambda s: parallel.tree_shardings(s, actor_mesh, config.mesh.rules))
+    publisher = WeightPublisher(lambda s: parallel.tree_shardings(s, actor_mesh, config.mesh.rules))
     publisher.publish(model, version=3)
     copy, version = publisher.latest()
     self.assertEqual(version, 3)

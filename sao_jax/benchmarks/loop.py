@@ -46,11 +46,11 @@ import jax
 import numpy as np
 
 from configs import base as base_config
-from sao_jax import eval as eval_lib
 from sao_jax import metrics as metrics_lib
 from sao_jax import models
 from sao_jax import rollout
 from sao_jax import trainer
+from sao_jax.generate.config import GenerateConfig
 from sao_jax.envs import registry
 from sao_jax.generate.sampling import SamplingParams
 from sao_jax.tokenizers import get_tokenizer
@@ -210,7 +210,8 @@ def probe(config, calls: int, plans: int = 1000) -> dict:
   tokenizer = get_tokenizer(config)
   policy, _ = models.build(config.model, seed=int(config.seed))
   rows = int(config.sampler.batch_size)
-  backend = _TimedBackend(eval_lib.make_backend(policy, tokenizer, task, config, batch_size=rows, version=0))
+  backend = _TimedBackend(rollout.make_backend(policy, tokenizer, task, GenerateConfig.from_config(config),
+                                              batch_size=rows, version=0))
   limits = rollout.EpisodeLimits.from_config(config)
   decoding = SamplingParams.from_config(config.sampler)
   examples = task.train_iterator(int(config.seed) + 1)

@@ -58,10 +58,11 @@ import numpy as np
 from flax import nnx
 
 from sao_jax.generate import sampling
-from sao_jax.models.decode import (DecodeCache, DecodeWeights, decode_weights, forward, init_cache,
+from sao_jax.models.decode import (DecodeCache, DecodeWeights, forward, init_cache,
                                    last_logits, resize_cache)
 from sao_jax.models.config import ModelConfig
 from sao_jax.generate.sampling import SamplingParams
+from sao_jax.generate.weights import WeightsSnapshot, WeightsSource
 
 Array = jax.Array
 
@@ -86,9 +87,6 @@ class StaticSettings:
   stop_ids: tuple[int, ...]
   pad_id: int
   window: int  # Attention window (slots) of this call's programs, see `decode.forward`.
-  # Continuous decode programs (`sao_jax.generate.slots`): (rows, window) of the short row group, whose rows
-  # attend over a smaller window than the others' `window` (`decode.forward_mixed`'s row groups); None: one group.
-  split: tuple[int, int] | None = None
 
 
 def _select(st: StaticSettings, logits: Array, seeds: Array, key_pos: Array, n_generated: Array,
@@ -194,13 +192,6 @@ def _decode_impl(st: StaticSettings, num_steps: int, weights: DecodeWeights, cac
 # Host API.
 
 
-@dataclasses.dataclass(frozen=True)
-class WeightsSnapshot:
-  """Decode-layout weights and the policy version they belong to (immutable; swapped as a whole)."""
-  weights: DecodeWeights
-  version: int
-
-
 @dataclasses.dataclass
 class EpisodeState:
   """What `Sampler.continue_generation` needs to extend an episode (device cache + host bookkeeping).
@@ -256,8 +247,8 @@ class Sampler:
   """Batched generation with a preallocated KV cache (see the module docstring).
 
   Args:
-    model: a `sao_jax.models.llama.Decoder` (its weights are copied into decode layout; call
-      `update_weights` after the model changes).
+    model: where the weights come from: a `WeightsSource` (shared with whoever updates it), or a
+      `sao_jax.models.llama.Decoder` (copied into decode layout; call `update_weights` after it changes).
     stop_ids: tokens that end a turn (default: `model.cfg.eos_ids`).
     pad_id: token written after a row's end (default: `model.cfg.pad_id`).
     prompt_buckets: allowed chunk lengths (prompts and continuation chunks are left-padded up to the next
@@ -267,7 +258,7 @@ class Sampler:
     version: policy version of `model`'s weights.
   """
 
-  def __init__(self, model: nnx.Module, *, stop_ids: Sequence[int] | None = None, pad_id: int | None = None,
+  def __init__(self, model: nnx.Module | WeightsSource, *, stop_ids: Sequence[int] | None = None, pad_id: int | None = None,
                prompt_buckets: Sequence[int] | None = None, min_new_bucket: int = 16,
                bucket_batch: bool = True, version: int = 0):
     self.cfg: ModelConfig = model.cfg
@@ -284,8 +275,6 @@ class Sampler:
       raise ValueError(f'Sampler min_new_bucket must be positive, got {min_new_bucket}.')
     self.min_new_bucket = int(min_new_bucket)
     self.bucket_batch = bucket_batch
-    self._prepare = jax.jit(lambda graphdef, state: decode_weights(nnx.merge(graphdef, state)),
-                            static_argnums=(0,))
     # jax.jit caches compiled programs per Python function object: wrap each function in a fresh partial so
     # that `num_compiled` counts this sampler's programs only.
     fresh = functools.partial
@@ -293,8 +282,7 @@ class Sampler:
     self._resize = jax.jit(fresh(resize_cache), static_argnums=(1,))  # Copies: nothing to donate.
     self._prefill = jax.jit(fresh(_prefill_impl), static_argnums=(0,), donate_argnums=(2,))
     self._decode = jax.jit(fresh(_decode_impl), static_argnums=(0, 1), donate_argnums=(3,))
-    self._snapshot: WeightsSnapshot | None = None
-    self.update_weights(model, version=version)
+    self.source = model if isinstance(model, WeightsSource) else WeightsSource(model, version=version)
 
   @classmethod
   def from_config(cls, model: nnx.Module, sampler_config: Any, **kwargs) -> Sampler:
@@ -302,28 +290,22 @@ class Sampler:
     return cls(model, prompt_buckets=tuple(sampler_config.prompt_buckets), **kwargs)
 
   def update_weights(self, model: nnx.Module, *, version: int | None = None) -> None:
-    """Publishes `model`'s weights, in decode layout, as the snapshot of policy `version` (default: the
-    current version + 1). One jitted conversion, then an atomic swap of the snapshot reference: calls in
-    flight finish on the snapshot they took; no sampling program is recompiled."""
-    if model.cfg != self.cfg:
-      raise ValueError('Sampler.update_weights: the model config differs from the one the sampler was built for.')
-    if version is None:
-      version = self._snapshot.version + 1
-    graphdef, state = nnx.split(model)
-    self._snapshot = WeightsSnapshot(self._prepare(graphdef, state), int(version))
+    """Publishes `model`'s weights as the snapshot of policy `version` (default: the current version + 1;
+    `WeightsSource.update_weights`): calls in flight finish on the snapshot they took; nothing recompiles."""
+    self.source.update_weights(model, version=version)
 
   @property
   def snapshot(self) -> WeightsSnapshot:
     """The current (weights, version); a call reads it once."""
-    return self._snapshot
+    return self.source.snapshot
 
   @property
   def weights(self) -> DecodeWeights:
-    return self._snapshot.weights
+    return self.source.weights
 
   @property
   def version(self) -> int:
-    return self._snapshot.version
+    return self.source.version
 
   def num_compiled(self) -> dict[str, int]:
     """Number of compiled programs per jitted function (prefill, decode, cache init/resize)."""
@@ -367,7 +349,7 @@ class Sampler:
     Returns:
       A `SampleOutput` (with the version of the weights snapshot it used).
     """
-    snapshot = self._snapshot  # Read once: the whole call runs on these weights.
+    snapshot = self.source.snapshot  # Read once: the whole call runs on these weights.
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts:
       raise ValueError('generate: prompts is empty.')
@@ -407,7 +389,7 @@ class Sampler:
       A `SampleOutput`; its version is that of the snapshot current at this call (the cached history may come
       from an older one).
     """
-    snapshot = self._snapshot  # Read once: the whole call runs on these weights.
+    snapshot = self.source.snapshot  # Read once: the whole call runs on these weights.
     b = state.batch_size
     if len(observations) != b:
       raise ValueError(f'continue_generation: got {len(observations)} observations for a batch of {b}.')

@@ -8,7 +8,8 @@
                   rows=config.trainer.batch_size, group_size=config.algo.group_size,
                   truncation=config.algo.truncation)
 
-- `backends`: `Backend` protocol, `Generation`, `SamplerBackend` (KV-cache sampler), `ContextBackend`.
+- `backends`: `Backend` protocol, `Generation`, `SamplerBackend` (the static engine), `ContextBackend`,
+  `make_backend` (a task's static backend), `task_stop_ids`.
 - `episodes`: `EpisodeLimits`, `run_episodes` (batched, multi-turn), `run_episode` (one episode, same loop),
   `replay_episode` (given action texts through the same loop: reference episodes).
 - `layout`: `Turn`, `episode_to_trajectory`, `message_observation_ids`, `stop_ids_for`, `safe_decode`.
@@ -16,10 +17,11 @@
   `DROP_REASONS`.
 - `trajectory_queue`: the bounded `TrajectoryQueue` between actors and the learner (staleness, whole groups).
 - `prompts`: `PromptSource` (the shared, numbered prompt stream), `ProcessShard` (one process's share).
-- `actor`: `Actor`, `ActorThread`, `WeightPublisher` (what the trainer runs).
+- `actor`: `make_engine`, `Actor`, `ActorThread` (what the trainer runs).
 """
 
-from sao_jax.rollout.backends import Backend, ContextBackend, GenerateFn, Generation, SamplerBackend
+from sao_jax.rollout.backends import (Backend, ContextBackend, GenerateFn, Generation, SamplerBackend, make_backend,
+                                     task_stop_ids)
 from sao_jax.rollout.episodes import EpisodeLimits, episode_seed, replay_episode, run_episode, run_episodes
 from sao_jax.rollout.layout import Turn, episode_to_trajectory, message_observation_ids, safe_decode, stop_ids_for
 from sao_jax.rollout.pack import DROP_REASONS, Packed, check_batch, pack, select

@@ -1,80 +1,87 @@
-"""Actors: play episodes with the latest published weights and feed the trajectory queue.
+"""Actors: play episodes with the newest published weights and feed the trajectory queue.
 
     publisher = WeightPublisher()
     publisher.publish(learner.policy_model(), version=learner.step)      # after every learner update
-    actor = Actor(backend, tokenizer, task, prompts, publisher=publisher, limits=..., decoding=..., ...)
+    engine = make_engine(publisher, tokenizer, task, settings, group_size=G)   # settings: GenerateConfig
+    actor = Actor(engine, tokenizer, task, prompts, publisher=publisher, settings=settings, limits=..., seed=...)
     items = actor.play()           # sync mode: one call of the episode runner, items of whole groups
     thread = ActorThread(actor, queue); thread.start()    # async mode: play -> queue.put, until stopped
 
-With `continuous=True` (`config.sampler.continuous`) the actor plays through continuous batching
-(`sao_jax.rollout.continuous`): `episodes_per_call` decode slots refilled as episodes end; in async mode its
-thread streams (a prompt enters when a slot frees and the queue has room; an item is put when its episodes end).
-With `max_staleness` (async mode) the thread also ends, between device calls, every episode in flight that the
-queue's staleness filter is bound to drop (its first token's version is below the published version minus
-`max_staleness`: versions only grow) and counts it in `dropped_stale`: its slot takes a fresh episode at once
-instead of finishing doomed turns and tool calls (GRPO: the whole group goes, as the queue would drop it).
-The slot sampler's programs compile at their first use, or all before the first episode with `compile_ahead`
-(`config.sampler.compile_ahead`); they are shared by every actor of the process.
-
-Weights. `WeightPublisher.publish` copies the learner's policy state onto the actors' sharding (one jitted
-copy, dispatched asynchronously: the learner does not wait for it, and the copy survives the learner donating
-its own buffers at the next update). An actor compares versions at every turn (`weight_switch='turn'`,
-turn-level partial rollout: a multi-turn episode may go on with newer weights, every turn records its version)
-or only before each batch of episodes (`'episode'`: one version per episode) and converts the new weights to
-the sampler's decode layout in its own thread. The trainer publishes right after dispatching an update, so the
-published arrays are futures of that update: an async actor (`wait_for_weights=False`) takes the newest
-computed version (`WeightPublisher.latest(computed=True)`), never one in flight: taking that would stall its
-next device call behind the whole update, even on devices of its own (a program waits for its inputs), and
-leave the actors idle for every update. A sync actor waits: it must play the newest.
-
-Prompts come from the shared `PromptSource` (`sao_jax.rollout.prompts`), numbered in the order taken.
+The engine is a static batch backend (`SamplerBackend`) or a slot engine (`SlotSampler`, continuous batching:
+its thread streams, a prompt entering when a slot frees and the queue has room). Rules:
+* weights: an actor compares versions before every turn (`weight_switch='turn'`: an episode may go on with
+  newer weights, each turn records its version) or before each batch of episodes ('episode'). An async actor
+  (`wait_for_weights=False`) takes the newest *computed* version (`WeightPublisher.latest(computed=True)`), never
+  one still in flight, whose read would stall it behind the learner's update; a sync actor takes the newest;
+* staleness (async, continuous): between device calls the actor ends every episode the queue's staleness
+  filter is bound to drop (started before the published version minus `max_staleness`; GRPO: its whole group)
+  and counts it in `dropped_stale`, so its slot takes a fresh episode at once;
+* prompts come from the shared `PromptSource` (`sao_jax.rollout.prompts`), numbered in the order taken; a
+  prompt's G rollouts share its number as `group_id`, and episode seeds derive from (run seed, number, j).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any, NamedTuple
 
 from absl import logging
 import jax
-import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from sao_jax import structs
 from sao_jax.envs.base import Task
+from sao_jax.generate.config import GenerateConfig
 from sao_jax.generate.slots import SlotSampler
-from sao_jax.generate.sampling import SamplingParams
-from sao_jax.rollout.backends import SamplerBackend
+from sao_jax.generate.static import Sampler
+from sao_jax.generate.weights import WeightPublisher, WeightsSource
+from sao_jax.rollout.backends import SamplerBackend, task_stop_ids
 from sao_jax.rollout.continuous import ContinuousRunner
 from sao_jax.rollout.episodes import EpisodeLimits, episode_seed, run_episodes
 from sao_jax.rollout.prompts import PromptSource
 from sao_jax.rollout.trajectory_queue import QueueClosed, TrajectoryQueue
 from sao_jax.tokenizers import Tokenizer
 
-WEIGHT_SWITCHES = ('turn', 'episode')
+Engine = SamplerBackend | SlotSampler
 
 
-class _FollowingBackend:
-  """A `SamplerBackend` that takes newer published weights before a turn (or only before a batch); with
-  `wait=False` the newest computed ones (`WeightPublisher.latest(computed=True)`), never waiting for an update."""
+def make_engine(publisher: WeightPublisher, tokenizer: Tokenizer, task: Task, settings: GenerateConfig, *,
+                group_size: int = 1, cache_sharding: jax.sharding.Sharding | None = None) -> Engine:
+  """An actor's engine over the newest published weights: a `SlotSampler` with `settings.continuous` (its
+  cache's keys and values on `cache_sharding`; None: with the weights), else a static `SamplerBackend`; either
+  holds `episodes_per_call(group_size)` episodes at once."""
+  model, version = publisher.latest()
+  rows = settings.episodes_per_call(group_size)
+  stop_ids = task_stop_ids(task, tokenizer)
+  if settings.continuous:
+    return SlotSampler.from_settings(WeightsSource(model, version=version), settings, num_slots=rows,
+                                     stop_ids=stop_ids, pad_id=tokenizer.pad_id, cache_sharding=cache_sharding)
+  sampler = Sampler(model, stop_ids=stop_ids, pad_id=tokenizer.pad_id, prompt_buckets=settings.prompt_buckets or None,
+                    version=version)
+  return SamplerBackend(None, stop_ids=stop_ids, pad_id=tokenizer.pad_id, max_total_len=settings.max_seq_len,
+                        min_rows=rows, sampler=sampler)
 
-  def __init__(self, inner: SamplerBackend, publisher: WeightPublisher, per_turn: bool, wait: bool = True):
+
+class _Follower:
+  """Takes newer published weights into an engine's `WeightsSource` (before a turn, or only before a batch);
+  with `wait=False` the newest computed ones (`WeightPublisher.latest(computed=True)`), never waiting for an
+  update. Over a static backend it is also the `Backend` the episode runner calls."""
+
+  def __init__(self, source: WeightsSource, publisher: WeightPublisher, per_turn: bool, wait: bool = True,
+               inner: SamplerBackend | None = None):
+    self.source = source
     self.inner = inner
     self.publisher = publisher
     self.per_turn = per_turn
     self.wait = wait
-    self.stop_ids = inner.stop_ids
+    self.stop_ids = () if inner is None else inner.stop_ids
 
   def newer(self) -> bool:
     published = self.publisher.version if self.wait else self.publisher.computed_version
-    return published > self.inner.sampler.version
+    return published > self.source.version
 
   def refresh(self) -> None:
     if self.newer():
       model, version = self.publisher.latest(computed=not self.wait)
-      self.inner.update_weights(model, version=version)
+      self.source.update_weights(model, version=version)
 
   def first_turn(self, prompts, budgets, *, decoding, seeds):
     self.refresh()
@@ -87,86 +94,54 @@ class _FollowingBackend:
 
 
 class Actor:
-  """Plays batches of episodes: `episodes_per_call` rows, `group_size` rollouts per prompt.
+  """Plays batches of episodes: `settings.episodes_per_call(group_size)` rows, `group_size` rollouts a prompt.
 
   Args:
-    backend: this actor's KV-cache sampler backend (one per actor thread: samplers are not shared).
+    engine: this actor's engine (`make_engine`; one per actor thread: engines are not shared): a `SlotSampler`
+      plays through continuous batching, its slots refilled as episodes end (newer weights taken between decode
+      chunks, or between episodes with `weight_switch='episode'`); a `SamplerBackend` plays static batches.
     tokenizer, task: the run's tokenizer and task.
     prompts: the shared `PromptSource`.
     publisher: where the newest weights come from.
+    settings: the generation settings (`GenerateConfig.from_config(config)`).
     limits: episode budgets.
-    decoding: sampling settings (`SamplingParams.from_config(config.sampler)`).
     seed: the run seed (episode seeds derive from it).
     group_size: rollouts per prompt (`config.algo.group_size`).
-    episodes_per_call: rows of one call of the episode runner (`config.sampler.batch_size`, rounded down to
-      whole groups).
-    weight_switch: 'turn' or 'episode' (see the module docstring).
     step_timeout_s: wall-clock bound of one env step.
-    continuous: play through continuous batching (`config.sampler.continuous`): `episodes_per_call` decode
-      slots of a `SlotSampler` over the backend's sampler (same weights), refilled as episodes end; newer
-      weights are taken between decode chunks ('turn') or between episodes ('episode').
-    decode_steps: decode steps per continuous chunk (`config.sampler.decode_steps`).
-    refill_rows: continuous: free slots a decode chunk waits for while episodes wait
-      (`config.sampler.refill_rows`, see `ContinuousRunner`; None: a quarter of the slots).
-    prefix_cache: continuous: new episodes start from the cache of their prompts' shared prefix
-      (`config.sampler.prefix_cache`, see `SlotSampler`).
-    fuse_admissions: continuous: short admissions are written by the decode chunk's first step
-      (`config.sampler.fuse_admissions`, see `SlotSampler.step`).
-    device_refill: continuous: a slot whose episode's last turn ends takes the next episode inside the decode
-      chunk (`config.sampler.device_refill`, see `SlotSampler`).
-    queue_chunk: continuous, `device_refill`: the longest prompt past the shared prefix taken that way
-      (`config.sampler.queue_chunk`; None: the smallest chunk bucket).
-    row_groups: continuous: decode chunks may run their shorter-history slots at a smaller attention window
-      (`config.sampler.row_groups`, see `SlotSampler`).
-    admission_rows: continuous: 'auto', 'exact' or 'padded' (`config.sampler.admission_rows`, see `SlotSampler`).
-    slot_sampler: an existing `SlotSampler` over `backend.sampler` to reuse.
-    cache_sharding: continuous: where the slot cache's keys and values go (`SlotSampler`'s `cache_sharding`;
-      the trainer's: kv heads split over the actors' mesh as `config.mesh.rules` say); None: with the weights.
     max_staleness: continuous batching in async mode (`config.trainer.max_staleness`): episodes in flight that
       the staleness filter would drop are ended early and counted (module docstring); None: never.
-    compile_ahead: continuous batching: `warmup` compiles every slot program (`config.sampler.compile_ahead`);
-      otherwise each compiles at its first use.
     wait_for_weights: True (sync mode): newer published weights are taken at once, the next call waiting for
-      the update that computes them; False (async mode): only once computed, so the actor never stalls behind
-      the learner's update (module docstring).
+      the update that computes them; False (async mode): only once computed (module docstring).
   """
 
-  def __init__(self, backend: SamplerBackend, tokenizer: Tokenizer, task: Task, prompts: PromptSource, *,
-               publisher: WeightPublisher, limits: EpisodeLimits, decoding: SamplingParams, seed: int,
-               group_size: int = 1, episodes_per_call: int = 16, weight_switch: str = 'turn',
-               step_timeout_s: float | None = None, continuous: bool = False, decode_steps: int = 16,
-               refill_rows: int | None = None, prefix_cache: bool = True, fuse_admissions: bool = False,
-               device_refill: bool = False, queue_chunk: int | None = None, row_groups: bool = False,
-               admission_rows: str = 'auto',
-               slot_sampler: SlotSampler | None = None, cache_sharding: jax.sharding.Sharding | None = None,
-               max_staleness: int | None = None, compile_ahead: bool = False, wait_for_weights: bool = True):
-    if weight_switch not in WEIGHT_SWITCHES:
-      raise ValueError(f'weight_switch={weight_switch!r} is not one of {WEIGHT_SWITCHES}.')
-    self.backend = _FollowingBackend(backend, publisher, per_turn=weight_switch == 'turn', wait=wait_for_weights)
+  def __init__(self, engine: Engine, tokenizer: Tokenizer, task: Task, prompts: PromptSource, *,
+               publisher: WeightPublisher, settings: GenerateConfig, limits: EpisodeLimits, seed: int,
+               group_size: int = 1, step_timeout_s: float | None = None, max_staleness: int | None = None,
+               wait_for_weights: bool = True):
+    continuous = isinstance(engine, SlotSampler)
+    source = engine.source if continuous else engine.sampler.source
+    self.backend = _Follower(source, publisher, per_turn=settings.weight_switch == 'turn', wait=wait_for_weights,
+                             inner=None if continuous else engine)
+    self.settings = settings
     self.tokenizer = tokenizer
     self.task = task
     self.prompts = prompts
     self.limits = limits
-    self.decoding = decoding
+    self.decoding = settings.decoding
     self.seed = int(seed)
     self.group_size = int(group_size)
-    self.prompts_per_call = max(1, int(episodes_per_call) // self.group_size)
+    self.prompts_per_call = settings.episodes_per_call(self.group_size) // self.group_size
     self.step_timeout_s = step_timeout_s
     self.generated_tokens = 0  # Action tokens generated so far (the trainer's actor tokens/s).
     self.max_staleness = None if max_staleness is None else int(max_staleness)
-    self.compile_ahead = bool(compile_ahead)
+    self.compile_ahead = settings.compile_ahead
     self.dropped_stale = 0  # Trajectories ended in flight because they could only come back too stale.
     self.runner: ContinuousRunner | None = None
     if continuous:
-      slots = slot_sampler or SlotSampler(backend.sampler, num_slots=self.prompts_per_call * self.group_size,
-                          max_seq_len=limits.max_seq_len, stop_ids=backend.stop_ids, pad_id=backend.pad_id,
-                          decode_steps=decode_steps, prefix_cache=prefix_cache,
-                          fuse_admissions=fuse_admissions, device_refill=device_refill,
-                          queue_chunk=queue_chunk, row_groups=row_groups, admission_rows=admission_rows,
-                          cache_sharding=cache_sharding)
-      self.runner = ContinuousRunner(slots, tokenizer, limits=limits, decoding=decoding,
+      self.runner = ContinuousRunner(engine, tokenizer, limits=limits, decoding=self.decoding,
                                      step_timeout_s=step_timeout_s, follower=self.backend,
-                                     per_episode_weights=weight_switch == 'episode', refill_rows=refill_rows)
+                                     per_episode_weights=settings.weight_switch == 'episode',
+                                     refill_rows=settings.refill_rows)
     self._groups: dict[int, list[structs.Trajectory]] = {}
 
   @property

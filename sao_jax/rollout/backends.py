@@ -5,8 +5,8 @@ A `Backend` generates one turn for a batch of episodes at a time: `first_turn` f
 its tokens, their behaviour log-probs (of the distribution actually sampled from), the temperature-1 policy
 log-probs when known, and the params version that generated it.
 
-* `SamplerBackend`: the KV-cache `sao_jax.generate.static.Sampler` (the actors' and eval's backend); a
-  multi-turn episode goes on from the cache (the history is never recomputed).
+* `SamplerBackend`: the static engine `sao_jax.generate.static.Sampler` (eval's backend, and the actors' for
+  static batches; `make_backend` builds it for a task); a multi-turn episode goes on from the cache.
 * `ContextBackend`: a per-episode function `generate(context_ids, max_new_tokens, stop_ids) -> (ids,
   logprobs)` on host-side contexts (tests, stubs, references).
 """
@@ -17,8 +17,12 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from sao_jax.envs.base import Task
 from sao_jax.generate import static as sampler_lib
+from sao_jax.generate.config import GenerateConfig
 from sao_jax.generate.sampling import SamplingParams
+from sao_jax.rollout.layout import stop_ids_for
+from sao_jax.tokenizers import Tokenizer
 
 # `generate(context_ids, max_new_tokens, stop_ids) -> (generated ids, their behaviour log-probs)`.
 GenerateFn = Callable[[list[int], int, tuple[int, ...]], tuple[Sequence[int], Sequence[float]]]
@@ -166,3 +170,24 @@ class ContextBackend:
       c += out.ids
       outs.append(out)
     return outs, handle
+
+
+def task_stop_ids(task: Task, tokenizer: Tokenizer) -> tuple[int, ...]:
+  """The tokens that end a turn of `task`'s episodes: the tokenizer's end-of-turn ids and the env's stop texts."""
+  examples = task.eval_set()
+  return stop_ids_for(task.make_env(examples[0]), tokenizer) if examples else tuple(tokenizer.stop_ids)
+
+
+def make_backend(model, tokenizer: Tokenizer, task: Task, settings: GenerateConfig, *,
+                 sampler: sampler_lib.Sampler | None = None, batch_size: int | None = None,
+                 version: int | None = None) -> SamplerBackend:
+  """The static engine's backend for `task`'s episodes (stop ids `task_stop_ids`; calls padded to `batch_size`
+  rows, default `settings.batch_size`; `model`'s weights are policy `version`)."""
+  cfg = getattr(model, 'cfg', None)
+  vocab = getattr(tokenizer, 'vocab_size', None)
+  if cfg is not None and vocab is not None and vocab > cfg.vocab_size:
+    raise ValueError(f'The tokenizer has {vocab} tokens but the model only {cfg.vocab_size} embeddings '
+                     '(wrong tokenizer for this model? see config.model.tokenizer).')
+  return SamplerBackend(model, stop_ids=task_stop_ids(task, tokenizer), pad_id=tokenizer.pad_id,
+                        max_total_len=settings.max_seq_len, prompt_buckets=settings.prompt_buckets,
+                        min_rows=int(batch_size or settings.batch_size), sampler=sampler, version=version)

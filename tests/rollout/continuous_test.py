@@ -1,4 +1,4 @@
-"""Continuous batching (`models.continuous.SlotSampler` + `rollout.continuous`) against the static sampler and
+"""Continuous batching (`generate.slots.SlotSampler` + `rollout.continuous`) against the static sampler and
 the plain forward pass: the same greedy episodes in any arrival order (multi-turn, observations, long prompts
 written in pieces), behaviour and policy log-probs of the plain forward, no recompiles as slots refill, and
 weight swaps recorded per token. One tiny model, one set of compiled shapes for the whole file."""
@@ -22,8 +22,12 @@ from sao_jax import rollout
 from sao_jax.envs import base
 from sao_jax.models import logprobs as logprobs_lib
 from sao_jax.models.config import get_model_config
+from sao_jax.generate import code_maps
+from sao_jax.generate import programs
 from sao_jax.generate import slots as continuous_lib
+from sao_jax.generate.config import GenerateConfig
 from sao_jax.generate.slots import Admission, SlotSampler
+from sao_jax.generate.weights import WeightPublisher
 from sao_jax.models.llama import Decoder
 from sao_jax.generate.sampling import SamplingParams
 from sao_jax.rollout import actor as actor_lib
@@ -71,11 +75,10 @@ class ContinuousTest(absltest.TestCase):
     # Two slots for six episodes: slots refill many times; one chunk bucket of 16: prompts (>= 20 tokens
     # with the chat template) are written in pieces; two attention windows (96, 192 slots): decode chunks run
     # on the cache cut to a window and written back; two admit windows (128, 192): early chunks attend over
-    # the small one; short admissions fused into the decode chunk (the actors' default is off: both paths run
-    # in the runner's tests, the default in the actor's and trainer's).
+    # the small one; newcomers admitted by the host between chunks (device refill: its own tests below).
     cls.slots = SlotSampler(cls.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=cls.backend.stop_ids,
                             pad_id=cls.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2,
-                            num_admit_windows=2, fuse_admissions=True)
+                            num_admit_windows=2)
     cls.slots.warmup(_GREEDY)
     cls.slots.warmup(_SAMPLED)
     cls.compiled = cls.slots.num_compiled()
@@ -89,10 +92,8 @@ class ContinuousTest(absltest.TestCase):
 
   def test_compiled_programs_are_fixed_by_the_slot_count(self):
     # Per sampling setting: row buckets {1, 2} x chunk buckets {16} x admit windows {128, 192} admit programs;
-    # decode programs: windows {96, 192} x row buckets {1, 2}, each with its fused admission (no plain ones: a
-    # chunk without a newcomer runs a padding admission); one program computes the shared prefix.
+    # decode programs: windows {96, 192} x row buckets {1, 2}; one program computes the shared prefix.
     self.assertEqual(self.slots.row_buckets, (1, 2))
-    self.assertEqual(self.slots.fused_rows, (1,))
     self.assertEqual(self.slots.windows, (96, 192))
     self.assertEqual(self.slots.admit_windows, (128, 192))
     self.assertEqual(self.compiled, {'admit': 2 * 2 * 1 * 2, 'decode': 2 * 2 * 2, 'prefix': 1})
@@ -100,26 +101,26 @@ class ContinuousTest(absltest.TestCase):
   def test_samplers_of_a_process_share_their_programs(self):
     """A second SlotSampler of the same model and shapes (another actor, another trainer run) compiles nothing:
     its warm-up runs the first one's programs; one of another slot count compiles its own."""
-    before = continuous_lib.compiled_programs()
+    before = programs.compiled_programs()
     twin = SlotSampler(self.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=self.backend.stop_ids,
                        pad_id=self.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2,
-                       num_admit_windows=2, fuse_admissions=True)
+                       num_admit_windows=2)
     self.assertEqual(twin.num_compiled(), {'admit': 0, 'decode': 0, 'prefix': 0})
     twin.warmup(_GREEDY)
     self.assertEqual(twin.num_compiled(), {'admit': 4, 'decode': 4, 'prefix': 1})
-    self.assertEqual(continuous_lib.compiled_programs(), before)
+    self.assertEqual(programs.compiled_programs(), before)
     other = SlotSampler(self.backend.sampler, num_slots=3, max_seq_len=128, stop_ids=self.backend.stop_ids,
                         pad_id=self.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2,
                         num_admit_windows=2)
     other.admit([Admission(0, [5, 6, 7], new=True, budget=2)], _GREEDY)
-    self.assertEqual(continuous_lib.compiled_programs(), {**before, 'admit': before['admit'] + 1})
+    self.assertEqual(programs.compiled_programs(), {**before, 'admit': before['admit'] + 1})
 
   def test_a_program_past_the_memory_map_limit_raises_before_it_compiles(self):
     """XLA:CPU maps each compiled program's code, and past `vm.max_map_count` the process crashes while
     compiling: `CodeMaps` checks a program at its first call (maps held plus twice the most a program added)
     and raises instead, naming the limit and the knobs; the sampler is left as it was."""
     maps = {'used': 1000, 'limit': 65530}
-    guard = continuous_lib.CodeMaps(lambda: (maps['used'], maps['limit']))
+    guard = code_maps.CodeMaps(lambda: (maps['used'], maps['limit']))
     with guard.compiling('a'):
       maps['used'] += 600  # The program's code.
     self.assertEqual(guard.per_program, 600)
@@ -127,7 +128,7 @@ class ContinuousTest(absltest.TestCase):
     with guard.compiling('a'):  # Compiled already: not checked.
       pass
     with self.assertRaisesRegex(RuntimeError, r'vm\.max_map_count = 65530; this process holds 64400 maps and a '
-                                r'program added up to 600.*config\.sampler\.row_groups=False'):
+                                r'program added up to 600.*config\.sampler\.batch_size'):
       with guard.compiling('b'):
         self.fail('ran past the check')
     maps['used'] = 64000
@@ -139,12 +140,12 @@ class ContinuousTest(absltest.TestCase):
                         pad_id=self.tok.pad_id, chunk_buckets=(16,), decode_steps=4, num_windows=2,
                         num_admit_windows=2, prefix_cache=False)
     admission = [Admission(0, [5, 6, 7], new=True, budget=2)]
-    before = continuous_lib.compiled_programs()
-    full = continuous_lib.CodeMaps(lambda: (100, 100))
+    before = programs.compiled_programs()
+    full = code_maps.CodeMaps(lambda: (100, 100))
     with mock.patch.object(continuous_lib, 'CODE_MAPS', full):
       with self.assertRaisesRegex(RuntimeError, 'vm.max_map_count = 100'):
         slots.admit(admission, _GREEDY)
-    self.assertEqual(continuous_lib.compiled_programs(), before)
+    self.assertEqual(programs.compiled_programs(), before)
     self.assertEqual(slots.num_compiled(), {'admit': 0, 'decode': 0, 'prefix': 0})
     self.assertFalse(slots.any_active)
     (first,) = slots.admit(admission, _GREEDY)  # The cache was not donated to a call that did not run.
@@ -153,7 +154,7 @@ class ContinuousTest(absltest.TestCase):
 
   def test_greedy_episodes_equal_the_static_sampler_in_any_arrival_order(self):
     n = len(self.examples)
-    compiled = continuous_lib.compiled_programs()
+    compiled = programs.compiled_programs()
     want = rollout.run_episodes(self.backend, self.tok, self._envs(range(n)), limits=self.limits,
                                 decoding=_GREEDY, seeds=list(range(n)), group_ids=list(range(n)))
     self.assertGreaterEqual(sum(t.info['num_turns'] >= 2 for t in want), 2, [t.info for t in want])
@@ -172,7 +173,7 @@ class ContinuousTest(absltest.TestCase):
           g.info.pop('token_versions')
           self.assertEqual(g.info, w.info)
     self.assertEqual(self.slots.num_compiled(), self.compiled)  # Slots refilled without a recompile.
-    self.assertEqual(continuous_lib.compiled_programs(), compiled)
+    self.assertEqual(programs.compiled_programs(), compiled)
 
   def test_episodes_with_a_shared_prompt_head_equal_the_static_sampler(self):
     """Prompts that begin alike (as a chat template's system prompt makes them): the runner's slots start new
@@ -247,53 +248,6 @@ class ContinuousTest(absltest.TestCase):
           if examples is headed:  # Taken episodes started from the head's cache.
             self.assertGreaterEqual(len(slots.prefix), len('Reply. '))
     self.assertEqual(slots.num_compiled(), compiled)
-
-  def test_row_groups_play_the_static_sampler_episodes(self):
-    """Row groups (`row_groups`): with a long episode among short ones, decode chunks run the long row at the
-    chunk's window and the others at a smaller one. Episodes of forced lengths (no stop token), sampled at 0.7:
-    two turns with host refill, one and two turns with device refill: the episodes are the static sampler's,
-    token for token, with their log-probs; chunks ran split; a slot's cache holds exactly its episode's tokens
-    after every call (the groups' writes went back to the right rows); nothing compiles after the warm-up."""
-    tok = CharTokenizer()
-    tok.stop_ids = ()
-    # The long episode starts first; short ones keep the other slots busy until the long row needs a window over
-    # twice the short ones' (192 of 256 slots against 64).
-    lengths = [150] + np.random.default_rng(0).integers(10, 40, size=18).tolist()
-    examples = [base.Example(uid=str(i), prompt=f'q{i}', answer='') for i in range(len(lengths))]
-    backend = rollout.SamplerBackend(self.model, stop_ids=(), pad_id=tok.pad_id, max_total_len=192, min_rows=4)
-    for refill in (False, True):
-      slots = SlotSampler(backend.sampler, num_slots=4, max_seq_len=192, stop_ids=(), pad_id=tok.pad_id,
-                          chunk_buckets=(16,), decode_steps=4, num_windows=4, num_admit_windows=2,
-                          prefix_cache=False, device_refill=refill, row_groups=True)
-      self.assertEqual((slots.windows, slots.row_buckets), ((64, 128, 192, 256), (1, 4)))
-      self.assertEqual(slots._short_windows(4, 192), (3, 64))  # 3 rows at 64 slots, 1 at 192.
-      slots.warmup(_SAMPLED)
-      compiled = continuous_lib.compiled_programs()
-      run_decode, splits, taken = slots._run_decode, [], _checked_steps(slots)
-
-      def split_runs(st, *args, run_decode=run_decode, splits=splits):
-        splits.append(st.split)
-        return run_decode(st, *args)
-
-      slots._run_decode = split_runs
-      for turns in ((1, 2) if refill else (2,)):
-        params = _SAMPLED
-        envs = lambda: [_ForcedEnv(e, [n // turns] * turns) for e, n in zip(examples, lengths)]
-        limits = rollout.EpisodeLimits(max_turns=turns, max_new_tokens=160, max_seq_len=192)
-        seeds = list(range(len(lengths)))
-        want = rollout.run_episodes(backend, tok, envs(), limits=limits, decoding=params, seeds=seeds)
-        with self.subTest(device_refill=refill, turns=turns):
-          del splits[:], taken[:]
-          got = run_continuous(slots, tok, envs(), limits=limits, decoding=params, seeds=seeds, refill_rows=1)
-          self.assertIn((3, 64), splits)  # Chunks ran split: 3 rows at 64 slots, 1 at the chunk's window.
-          self.assertEqual(bool(taken), refill)  # With device refill, slots took episodes inside chunks.
-          for g, w in zip(got, want):
-            self.assertEqual(g.num_action_tokens, w.num_action_tokens)
-            np.testing.assert_array_equal(g.tokens, w.tokens)
-            np.testing.assert_array_equal(g.action_mask, w.action_mask)
-            np.testing.assert_allclose(g.policy_logprobs, w.policy_logprobs, atol=1e-5)
-            np.testing.assert_allclose(g.behavior_logprobs, w.behavior_logprobs, atol=1e-5)
-      self.assertEqual(continuous_lib.compiled_programs(), compiled)
 
   def test_logprobs_are_those_of_the_plain_forward(self):
     """Sampling at temperature 0.7: behaviour = log q (tempered forward), policy = log pi (forward at T=1)."""
@@ -375,7 +329,7 @@ class ContinuousTest(absltest.TestCase):
       shapes, windows = next(reversed(slots._windows.items()))  # pylint: disable=protected-access  (last used)
       kept.append((shapes, windows, [x.unsafe_buffer_pointer() for x in jax.tree.leaves(windows)]))
     (shapes, first, pointers), *rest = kept
-    self.assertEqual(shapes, ((1, slots.windows[0]),))  # One active slot's row, its short history's window.
+    self.assertEqual(shapes, (1, slots.windows[0]))  # One active slot's row, its short history's window.
     self.assertEqual([(s, p) for s, _, p in rest], [(shapes, pointers)] * 2)
     self.assertTrue(all(x.is_deleted() for x in jax.tree.leaves(first)))  # Donated to the next chunk.
     self.assertEqual(slots.num_compiled(), compiled)
@@ -385,23 +339,24 @@ class ContinuousTest(absltest.TestCase):
     rows, zeros = np.arange(2, dtype=np.int32), np.zeros((2,), np.int32)
     st = slots._static(_GREEDY, slots.windows[0])  # pylint: disable=protected-access
     args = (rows, zeros, np.ones((2,), bool), zeros, np.full((2,), 8, np.int32), zeros.astype(np.uint32),
-            np.int32(3), None, None)
-    temp = lambda windows: continuous_lib._decode.lower(  # pylint: disable=protected-access
-        st, 4, None, weights, slots._cache, *args, windows).compile().memory_analysis().temp_size_in_bytes
-    buffers = slots._new_windows(2, slots.windows[0])  # pylint: disable=protected-access
-    self.assertGreaterEqual(temp(None) - temp((buffers,)), sum(x.nbytes for x in jax.tree.leaves(buffers)))
+            np.int32(3), None)
+    temp = lambda window: programs.decode_program.lower(
+        st, 4, None, weights, slots._cache, *args, window).compile().memory_analysis().temp_size_in_bytes
+    buffers = slots._new_window(2, slots.windows[0])  # pylint: disable=protected-access
+    self.assertGreaterEqual(temp(None) - temp(buffers), sum(x.nbytes for x in jax.tree.leaves(buffers)))
 
   def test_exact_admissions_compute_no_padding_rows_and_change_no_token(self):
-    """Seven slots admitted together: 'exact' runs calls of full row buckets (4 + 1 + 1 + 1 rows), 'padded' one
+    """Seven slots admitted together: exact admissions run calls of full row buckets (4 + 1 + 1 + 1 rows), padded one
     call of 8 rows; the first tokens, log-probs and the whole cache after them are the same, and so are the
     tokens of the decode chunks that follow (multi-turn: a next turn's observation admitted into a held
     history). An admission copies its rows cut to its window, not whole rows (`memory_analysis`)."""
     prompts = [[3 + (5 * i + j) % 40 for j in range(4 + i)] for i in range(7)]
 
-    def play(mode):
+    def play(exact):
       slots = SlotSampler(self.backend.sampler, num_slots=8, max_seq_len=128, stop_ids=(), pad_id=self.tok.pad_id,
                           chunk_buckets=(16,), decode_steps=4, num_windows=2, num_admit_windows=2,
-                          prefix_cache=False, admission_rows=mode)
+                          prefix_cache=False)
+      slots.exact_admissions = exact  # Chosen by the platform and the model (`exact_admissions`); both here.
       calls = []
       run_admit = slots._run_admit  # pylint: disable=protected-access
 
@@ -422,8 +377,8 @@ class ContinuousTest(absltest.TestCase):
         out += [(r.slot, r.ids, r.logprobs) for r in slots.decode(_GREEDY)]
       return calls, cache, out, slots
 
-    exact_calls, exact_cache, exact_out, slots = play('exact')
-    padded_calls, padded_cache, padded_out, _ = play('padded')
+    exact_calls, exact_cache, exact_out, slots = play(True)
+    padded_calls, padded_cache, padded_out, _ = play(False)
     self.assertEqual(exact_calls, [(4, 4)] + [(1, 1)] * 6)  # 7 rows: 4 + 1 + 1 + 1; 3 rows: 1 + 1 + 1.
     self.assertEqual(padded_calls, [(7, 8), (3, 4)])
     self.assertEqual([(s, ids) for s, ids, _ in exact_out], [(s, ids) for s, ids, _ in padded_out])
@@ -445,22 +400,20 @@ class ContinuousTest(absltest.TestCase):
     args = (np.arange(p, dtype=np.int32), np.zeros((p, t), np.int32), np.ones((p, t), bool),
             np.full((p,), t, np.int32), np.zeros((p,), bool), np.zeros((p,), np.uint32),
             slots._no_prefix, np.zeros((p,), bool))  # pylint: disable=protected-access
-    temp = lambda cache: continuous_lib._admit.lower(  # pylint: disable=protected-access
+    temp = lambda cache: programs.admit_program.lower(
         st, None, weights, cache, *args).compile().memory_analysis().temp_size_in_bytes
     small = slots._cache  # pylint: disable=protected-access
-    large = continuous_lib.init_cache(slots.cfg, 8, 8 * slots.cache_len, per_row_index=True)
+    large = programs.init_cache(slots.cfg, 8, 8 * slots.cache_len, per_row_index=True)
     row_kv = lambda cache: sum(x[0].nbytes for x in cache.k + cache.v)
     self.assertLess(temp(large) - temp(small), row_kv(large) - row_kv(small))
 
-  def test_admission_rows_auto_is_exact_on_a_cpu_for_a_model_whose_padding_costs_a_call(self):
+  def test_admissions_are_exact_on_a_cpu_for_a_model_whose_padding_costs_a_call(self):
     smollm2, tiny = get_model_config('smollm2-135m'), get_model_config('tiny')
     self.assertTrue(continuous_lib.exact_admissions(smollm2, 16, 'cpu'))  # 3.4 GFLOP a padding row.
     self.assertFalse(continuous_lib.exact_admissions(tiny, 16, 'cpu'))  # 2.4 MFLOP.
     self.assertFalse(continuous_lib.exact_admissions(smollm2, 16, 'gpu'))
     self.assertFalse(continuous_lib.exact_admissions(smollm2, 16, 'tpu'))
     self.assertFalse(self.slots.exact_admissions)  # The tiny model here.
-    with self.assertRaisesRegex(ValueError, 'admission_rows'):
-      SlotSampler(self.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=(), pad_id=0, admission_rows='some')
 
   def test_decode_chunks_that_take_queued_episodes_copy_no_rows(self):
     """A decode program that carries a queue (`device_refill`) starts a taken episode's row in place and puts
@@ -480,16 +433,16 @@ class ContinuousTest(absltest.TestCase):
     st = slots._static(_GREEDY, w)  # pylint: disable=protected-access
 
     def temp(queue):
-      windows = (slots._new_windows(r, w),)  # pylint: disable=protected-access
+      window = slots._new_window(r, w)  # pylint: disable=protected-access
       cache = slots._cache  # pylint: disable=protected-access
-      return continuous_lib._decode.lower(  # pylint: disable=protected-access
+      return programs.decode_program.lower(
           st, 4, None, backend.sampler.snapshot.weights, cache, np.full((r,), 8, np.int32), zeros,
-          np.zeros((r,), bool), zeros, zeros, zeros.astype(np.uint32), np.int32(r + 1), None, queue,
-          windows).compile().memory_analysis().temp_size_in_bytes
+          np.zeros((r,), bool), zeros, zeros, zeros.astype(np.uint32), np.int32(r + 1), queue,
+          window).compile().memory_analysis().temp_size_in_bytes
 
     queue = slots._queue(w, [], np.zeros((r,), bool))  # pylint: disable=protected-access
     self.assertIsNotNone(queue)
-    row_window = sum(x.nbytes for x in jax.tree.leaves(slots._new_windows(1, w)))  # pylint: disable=protected-access
+    row_window = sum(x.nbytes for x in jax.tree.leaves(slots._new_window(1, w)))  # pylint: disable=protected-access
     self.assertLess(temp(queue) - temp(None), row_window / 8)
 
   def test_new_prompts_start_from_the_shared_prefix_cache(self):
@@ -497,18 +450,17 @@ class ContinuousTest(absltest.TestCase):
     head's cache and only the rest is written; the tokens and log-probs are the plain forward's, also after a
     weight swap (the head's cache is recomputed) and after a prompt that shares less (the prefix shrinks), and
     they equal those of a sampler without the prefix cache. Each pair of prompts goes through `step`: the
-    second is admitted while the first decodes; fused into the decode chunk (`fuse_admissions`) or by an
-    admission call of its own, the tokens are the same, and the host's fill mirrors the cache's index."""
+    second is admitted while the first decodes, and the host's fill mirrors the cache's index."""
     head = [3 + (7 * i) % 40 for i in range(12)]
     prompts = [head + [50, 51], head + list(range(60, 70)), head + [70], head[:9] + [80, 81], head + [90, 91, 92]]
     other = helpers.small_model(self.tok.vocab_size, seed=9)
     self.addCleanup(self.backend.update_weights, self.model, version=4)
 
-    def play(prefix_cache, fuse):
+    def play(prefix_cache):
       self.backend.update_weights(self.model, version=4)
       slots = SlotSampler(self.backend.sampler, num_slots=2, max_seq_len=128, stop_ids=(), pad_id=self.tok.pad_id,
                           chunk_buckets=(16,), decode_steps=4, num_windows=2, num_admit_windows=2,
-                          prefix_cache=prefix_cache, fuse_admissions=fuse)
+                          prefix_cache=prefix_cache)
       slots.warmup(_GREEDY)
       compiled = slots.num_compiled()
       admit_calls = 0
@@ -546,9 +498,9 @@ class ContinuousTest(absltest.TestCase):
       self.assertEqual(slots.num_compiled(), compiled)
       return seqs, lps, models, prefixes, admit_calls
 
-    seqs, lps, models, prefixes, admit_calls = play(True, True)
+    seqs, lps, models, prefixes, admit_calls = play(True)
     self.assertEqual(prefixes, [tuple(head), tuple(head[:9]), tuple(head[:9])])
-    self.assertEqual(admit_calls, 0)  # Every admission fused: at most 16 tokens past the prefix.
+    self.assertEqual(admit_calls, 5)
     for seq, lp, model, prompt in zip(seqs, lps, models, prompts):
       self.assertLen(seq, len(prompt) + 6)
       logits = np.asarray(_logits(model, _padded([types.SimpleNamespace(tokens=seq)])))[0]
@@ -556,17 +508,15 @@ class ContinuousTest(absltest.TestCase):
       np.testing.assert_array_equal(np.asarray(seq)[pos], np.argmax(logits[pos - 1], axis=-1))
       log_pi = logits[pos - 1] - np.log(np.exp(logits[pos - 1]).sum(-1, keepdims=True))
       np.testing.assert_allclose(lp, log_pi[np.arange(len(pos)), np.asarray(seq)[pos]], atol=2e-4)
-    for prefix_cache, fuse in ((True, False), (False, True)):
-      plain_seqs, plain_lps, _, plain_prefixes, plain_admits = play(prefix_cache, fuse)
-      self.assertEqual(plain_prefixes, [tuple(head), tuple(head[:9]), tuple(head[:9])] if prefix_cache
-                       else [(), (), ()])
-      self.assertEqual(plain_admits, 5 if not fuse else 1)  # Without the prefix, one prompt exceeds 16 tokens.
-      self.assertEqual(plain_seqs, seqs)
-      np.testing.assert_allclose(np.concatenate(plain_lps), np.concatenate(lps), atol=1e-5)
+    plain_seqs, plain_lps, _, plain_prefixes, plain_admits = play(False)
+    self.assertEqual(plain_prefixes, [(), (), ()])
+    self.assertEqual(plain_admits, 5)
+    self.assertEqual(plain_seqs, seqs)
+    np.testing.assert_allclose(np.concatenate(plain_lps), np.concatenate(lps), atol=1e-5)
 
   def _placed_run(self, state_sharding, **kwargs):
     """A 2-slot sampler over weights placed with `state_sharding` (a model-state tree or one sharding), warmed
-    up, then admissions from the shared prefix (fused, and by an admit call) and decode chunks. Returns the
+    up, then admissions from the shared prefix and decode chunks. Returns the
     tokens, the programs lowered after the warm-up and the sampler."""
     model = helpers.small_model(self.tok.vocab_size, seed=3)
     state = nnx.state(model)
@@ -574,13 +524,12 @@ class ContinuousTest(absltest.TestCase):
     sampler = rollout.SamplerBackend(model, stop_ids=(), pad_id=self.tok.pad_id, max_total_len=128).sampler
     self.assertTrue(jax.tree.leaves(sampler.snapshot.weights)[0].committed)
     slots = SlotSampler(sampler, num_slots=2, max_seq_len=128, stop_ids=(), pad_id=self.tok.pad_id,
-                        chunk_buckets=(16,), decode_steps=4, num_windows=1, num_admit_windows=1,
-                        fuse_admissions=True, **kwargs)
+                        chunk_buckets=(16,), decode_steps=4, num_windows=1, num_admit_windows=1, **kwargs)
     slots.warmup(_GREEDY)
     head = [3 + (7 * i) % 40 for i in range(12)]
     got = []
     with helpers.lowerings() as lowered:
-      for j, rest in enumerate(([50, 51], [52], list(range(60, 80)))):  # The last one's rest needs an admit call.
+      for j, rest in enumerate(([50, 51], [52], list(range(60, 80)))):  # The last one's rest: in two pieces.
         slot = j % 2
         slots.release(slot)
         got += slots.step([Admission(slot, head + rest, new=True, budget=5, seed=j)], _GREEDY)
@@ -753,12 +702,12 @@ class ContinuousTest(absltest.TestCase):
         self.assertTrue((lead_free if lead else released).wait(timeout=60), 'never released')
 
     task = helpers.EchoTask(self.examples, 'message', self.stop_texts, 3, on_step)
-    publisher = actor_lib.WeightPublisher()
+    publisher = WeightPublisher()
     publisher.publish(self.model, version=4)
     prompts = prompts_lib.PromptSource(itertools.cycle(self.examples))
-    actor = actor_lib.Actor(self.backend, self.tok, task, prompts, publisher=publisher, limits=self.limits,
-                            decoding=_SAMPLED, seed=1, group_size=2, episodes_per_call=2, continuous=True,
-                            slot_sampler=self.slots, max_staleness=1)
+    actor = actor_lib.Actor(self.slots, self.tok, task, prompts, publisher=publisher, limits=self.limits,
+                            settings=GenerateConfig(decoding=_SAMPLED, batch_size=2), seed=1, group_size=2,
+                            max_staleness=1)
     actor.submit(2)  # Prompts 0 and 1: four rollouts in two slots.
     for _ in range(200):  # Until one rollout of prompt 0 has finished and its group waits for the other.
       self.assertEmpty(actor.collect())
@@ -797,7 +746,8 @@ class ContinuousTest(absltest.TestCase):
     publisher.publish(self.model, version=4)
     prompts = prompts_lib.PromptSource(itertools.cycle(self.examples))
     actors = {wait: actor_lib.Actor(self.backend, self.tok, self.task, prompts, publisher=publisher,
-                                    limits=self.limits, decoding=_GREEDY, seed=0, wait_for_weights=wait)
+                                    limits=self.limits, settings=GenerateConfig(decoding=_GREEDY, continuous=False),
+                                    seed=0, wait_for_weights=wait)
               for wait in (False, True)}
     publisher.held = {7, 9}  # Still being computed.
     publisher.publish(self.model, version=7)
@@ -827,7 +777,7 @@ class ContinuousTest(absltest.TestCase):
     spin(x, 200).block_until_ready()
     n = int(200 * 1.5 / max(time.perf_counter() - start, 1e-4))
     for _ in range(3):
-      real = actor_lib.WeightPublisher()
+      real = WeightPublisher()
       real.publish(nnx.Linear(1, 1, rngs=nnx.Rngs(0)), version=1)
       linear = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
       linear.kernel.value = spin(x, n)  # Dispatched: its value is a future for ~1.5 s.
@@ -849,12 +799,11 @@ class ContinuousTest(absltest.TestCase):
     n = len(self.examples)
     want = rollout.run_episodes(self.backend, self.tok, self._envs(range(n)), limits=self.limits,
                                 decoding=_GREEDY, seeds=list(range(n)))
-    publisher = actor_lib.WeightPublisher()
+    publisher = WeightPublisher()
     publisher.publish(self.model, version=4)
     prompts = prompts_lib.PromptSource(itertools.cycle(self.examples))
-    actor = actor_lib.Actor(self.backend, self.tok, self.task, prompts, publisher=publisher, limits=self.limits,
-                            decoding=_GREEDY, seed=0, group_size=2, episodes_per_call=2, continuous=True,
-                            slot_sampler=self.slots)
+    actor = actor_lib.Actor(self.slots, self.tok, self.task, prompts, publisher=publisher, limits=self.limits,
+                            settings=GenerateConfig(decoding=_GREEDY, batch_size=2), seed=0, group_size=2)
     items = actor.play(2)
     queue = _ListQueue(stop_after=3)
     thread = actor_lib.ActorThread(actor, queue)
@@ -892,26 +841,7 @@ def _checked_steps(slots):
   return taken
 
 
-class _ForcedEnv(base.BaseEnv):
-  """Turns of forced lengths (their token budgets; no stop token), an observation after each but the last."""
-  observation_mode = 'inline'
-
-  def __init__(self, example, lengths):
-    super().__init__(example, max_turns=len(lengths))
-    self.lengths = lengths
-    self.budget_ends_turn = True
-
-  def turn_token_budget(self, turn):
-    return self.lengths[min(turn, len(self.lengths) - 1)]
-
-  def _step(self, action_text):
-    del action_text
-    if self.turn >= self.max_turns:
-      return base.StepResult(None, 1.0, True, {})
-    return base.StepResult(' ok. ', 0.0, False, {})
-
-
-class _HeldPublisher(actor_lib.WeightPublisher):
+class _HeldPublisher(WeightPublisher):
   """A publisher whose versions in `held` read as still being computed."""
 
   held = frozenset()
