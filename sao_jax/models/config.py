@@ -94,8 +94,8 @@ class ModelConfig:
     object.__setattr__(self, 'eos_ids', tuple(int(i) for i in self.eos_ids))
 
   def __hash__(self):
-    # Computed once per instance: a jitted program hashes its static arguments at every call (the continuous
-    # sampler's programs are called per decode chunk; computing it took ~0.1 ms a call).
+    # Computed once per instance: a jitted program hashes its static arguments at every call, and the continuous
+    # sampler's are called per decode chunk (~0.1 ms a call otherwise: docs/benchmarks/sampler.md).
     cached = self.__dict__.get('_hash')
     if cached is None:
       values = []

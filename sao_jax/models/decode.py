@@ -1,25 +1,18 @@
 """The KV-cache forward pass of a `Decoder`: prefill, single-token decode and continuation chunks.
 
-This is the one implementation of the cached forward pass. `Decoder.__call__(..., cache=...)` runs it (for
-tests, tools and one-off use) and `sao_jax.generate.static` runs it inside its jitted prefill and decode loop.
-It computes the same function as the Decoder's plain forward pass (same RoPE tables, norms and casting order;
-tests compare the two) in a graph shaped for decoding on any backend:
+The one implementation of the cached forward pass: `Decoder.__call__(..., cache=...)` and the generation engines
+(`sao_jax.generate`) run it. It computes the same function as the Decoder's plain forward pass (same RoPE tables,
+norms and casting order; tests compare the two) in a graph shaped for decoding:
 
-* `DecodeWeights`: the Decoder's parameters re-laid-out once per weight update (`decode_weights`): q|k|v and
-  gate|up fused, every matmul weight stored `[out, in]`, one entry per layer (no slicing of stacked weights
-  inside the decode loop) and the lm head as a `[V, D]` table;
-* activations are kept transposed, `x [D, M]` with `M = B * T`, so every projection is `W[out, in] @ x`
-  (on XLA:CPU this is ~1.4x faster than `x @ W` for M = 1 and M >= 8; for 2 <= M < 8 the row orientation
-  wins and is used);
-* `DecodeCache`: one key and one value array per layer, keys stored slot-minor `[B, K, H, S]` and values
-  `[B, K, S, H]`, so that single-token attention is two fused multiply-reduce passes over the cache (a batched
-  `[G, H] x [H, S]` matmul per (row, kv head) was ~1.8x slower on CPU with older jaxlibs; on jaxlib 0.10.2
-  SmolLM2's decode ran at the same speed either way at B=8 and B=32); chunks of T > 1 tokens use batched
-  matmuls. Every row writes the chunk at the same slot `index` (a scalar), so the write is an in-place
-  `dynamic_update_slice`, never a scatter; a slot-major cache (`init_cache(..., per_row_index=True)`, the
-  continuous-batching sampler's) has one write slot per row instead (`index [B]`, a per-row update);
-* `window`: a static bound on the slots attention reads, so a cache preallocated for a long episode costs
-  attention over its filled part only (the sampler buckets it).
+* `DecodeWeights` (`decode_weights`, once per weight update): q|k|v and gate|up fused, every matmul weight
+  `[out, in]`, one entry per layer, the lm head a `[V, D]` table;
+* activations transposed, `x [D, M]` with `M = B * T`, every projection `W[out, in] @ x` (for 2 <= M < 8 the row
+  orientation `x @ W`, faster there on XLA:CPU: docs/benchmarks/sampler.md);
+* `DecodeCache`: per layer, keys slot-minor `[B, K, H, S]` and values `[B, K, S, H]` (single-token attention is
+  two fused multiply-reduce passes; chunks of T > 1 tokens use batched matmuls). The chunk is written at one slot
+  `index` for all rows (an in-place `dynamic_update_slice`), or, in a slot-major cache
+  (`init_cache(..., per_row_index=True)`, `sao_jax.generate.slots`'), at one slot per row (`index [B]`);
+* `window`: a static bound on the slots attention reads (a long preallocated cache costs its filled part only).
 
 Cache semantics. `valid[b, s]` marks slots that hold a real token of row b; left padding, padding inside a
 continuation chunk and the decode steps of rows that already finished are holes. Token t of a chunk written
@@ -309,9 +302,8 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
 
   **Row groups.** `cache` may be a tuple of caches: the R rows are their rows in order (group g holds rows
   `[o_g, o_g + R_g)`), each group with its own slot count, so a step's attention reads `sum_g R_g S_g` slots
-  instead of `R max_g S_g` (rows of short histories in a short cache, the few long ones in a long one: on
-  XLA:CPU SmolLM2's 16-row step at 616 slots took 146 ms in one group, 107 ms as 12 rows at 176 slots and 4 at
-  616, `benchmarks.decode_step`). The projections and MLPs still run once over all rows.
+  instead of `R max_g S_g` (rows of short histories in a short cache, the few long ones in a long one:
+  docs/benchmarks/sampler.md). The projections and MLPs still run once over all rows.
 
   Args:
     cfg: model config (static).
@@ -452,6 +444,5 @@ def last_logits(weights: DecodeWeights, hidden_t: Array) -> Array:
   bfloat16 ones XLA:CPU rewrites this dot into a bf16 x bf16 -> f32 kernel it does not have."""
   logits_t = jnp.dot(weights.unembed.astype(jnp.float32), hidden_t.astype(jnp.float32))  # [V, B]
   # Transposed after a barrier: XLA would otherwise fold the transpose into the dot, and the [B, D] x [D, V] form
-  # with both operands transposed runs on a slower XLA:CPU kernel (SmolLM2, jaxlib 0.10.2: 34 -> 21 ms CPU at
-  # B = 8 for the head and the transpose, 55 -> 41 ms at B = 32).
+  # with both operands transposed runs on a slower XLA:CPU kernel (docs/benchmarks/sampler.md).
   return jax.lax.optimization_barrier(logits_t).T

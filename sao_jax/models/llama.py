@@ -172,8 +172,8 @@ def swiglu(gate: Array, up: Array) -> Array:
 
   d up = g * silu(gate),  d gate = g * up * s * (1 + gate * (1 - s)),  s = sigmoid(gate).
   Saving s keeps exp out of the backward: XLA:CPU fuses the backward's elementwise math into the transposes
-  that feed the weight-gradient matmuls, and with a sigmoid inside, that fusion took ~9% of a bench-25m train
-  step in a profile (~10x the same transpose with multiplies only).
+  that feed the weight-gradient matmuls, and with a sigmoid inside, that fusion costs ~10x the same transpose with
+  multiplies only (docs/benchmarks/learner.md).
   """
   return jax.nn.silu(gate) * up
 
