@@ -95,7 +95,7 @@ class ModelConfig:
 
   def __hash__(self):
     # Computed once per instance: a jitted program hashes its static arguments at every call, and the continuous
-    # sampler's are called per decode chunk (~0.1 ms a call otherwise: docs/benchmarks/sampler.md).
+    # sampler's are called per decode chunk (~0.1 ms a call otherwise: docs/benchmarks/rollout.md).
     cached = self.__dict__.get('_hash')
     if cached is None:
       values = []

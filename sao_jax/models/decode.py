@@ -303,7 +303,7 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
   **Row groups.** `cache` may be a tuple of caches: the R rows are their rows in order (group g holds rows
   `[o_g, o_g + R_g)`), each group with its own slot count, so a step's attention reads `sum_g R_g S_g` slots
   instead of `R max_g S_g` (rows of short histories in a short cache, the few long ones in a long one:
-  docs/benchmarks/sampler.md). The projections and MLPs still run once over all rows.
+  docs/benchmarks/rollout.md). The projections and MLPs still run once over all rows.
 
   Args:
     cfg: model config (static).
