@@ -33,10 +33,9 @@ def memory_bandwidth(mib: int = 64, reps: int = 5, clock=time.perf_counter) -> f
   """This machine's memory bandwidth now, GB/s: the median of `reps` jitted, donated `x + 1` over a float32 array of
   `mib` MiB (each reads and writes it in place: 2 x `mib` MiB of traffic), after a first call that compiles.
 
-  A probe for the conditions of a run, not a benchmark: on a shared host other tenants slow the memory bus (seen
-  here: an in-place add over 16 MB took 0.23-1.34 ms within a minute while a 256 x 256 matmul held within 10%),
-  and a decode step that reads a long KV cache slows with it while a matmul-bound one does not, so ratios of such
-  runs move with it.
+  A probe for the conditions of a run, not a benchmark: on a shared host other tenants slow the memory bus
+  (docs/benchmarks/rollout.md), and a decode step that reads a long KV cache slows with it while a matmul-bound one
+  does not, so ratios of such runs move with it.
   """
   x = _add_one(jnp.zeros((mib * 2 ** 20 // 4,), jnp.float32)).block_until_ready()
   nbytes, times = x.nbytes, []

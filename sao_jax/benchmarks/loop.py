@@ -3,34 +3,24 @@ r"""The actor-learner loop on an agentic-like workload: trained trajectories/s, 
   python -m sao_jax.benchmarks.loop [--rounds=2 --num_steps=12 --skip=3 --threads=1 --slots=32 --json=m.json]
   python -m sao_jax.benchmarks.loop --nocontinuous --threads=4 [--call_rows=8 ...]   # static actor calls
 
-Runs the real trainer (`sao_jax.trainer.run`) on the tiny model with the `latency` task (sao_jax/envs/latency.py):
-multi-turn episodes whose tool calls sleep a clipped log-normal time (median 150 ms, sigma 0.8, in [20, 500] ms),
-a geometric number of tool calls (mean 4, at most 9) and turns whose length is the wait for one of the 52
-letters under the random policy (geometric, mean ~10 tokens, cut at 64). Settings, same config otherwise:
+Runs the real trainer (`sao_jax.trainer.run`) on the tiny model with the `latency` task (`sao_jax/envs/latency.py`:
+a geometric number of tool calls, mean 4, each sleeping a log-normal time of median 150 ms; turns as long as the
+random policy's wait for one of 52 stop letters, cut at 64 tokens), in these settings, same config otherwise:
 
-  sync       trainer.mode=sync: the loop plays the batch (calls of `sampler.batch_size` rows), then updates;
-  async      trainer.mode=async with `--threads` actor threads;
-  grpo       async, algo.name=grpo with G=8 (one group per sampler call), the same trajectories per step;
+  sync       trainer.mode=sync: the loop plays the batch in static calls of `--call_rows` rows, then updates;
+  async      trainer.mode=async: `--threads` actor threads, each keeping `--slots` episodes in flight (continuous
+             batching, slot programs compiled ahead; `--nocontinuous`: static calls of `--call_rows`);
+  grpo       async, algo.name=grpo with G=8 (whole groups), the same trajectories per step;
   sync_grpo  sync, GRPO as in grpo.
 
-The async settings' actors play through continuous batching (`sampler.continuous`, the default;
-`sao_jax.rollout.continuous`): each of the `--threads` actors keeps `--slots` episodes in flight, a new prompt
-(GRPO: a whole group of G) entering as soon as slots free up, and the queue bounds `threads * slots + batch`
-trajectories in flight or queued (as `threads * call_rows + batch` for static calls, `--nocontinuous`). Their
-slot programs are compiled before the first episode (`sampler.compile_ahead`), so no compile stalls a measured
-step. Sync mode keeps its static calls (the baseline). A static call of 8 rows waits, turn by turn, for its
-slowest row and its slowest tool call; a slot waits only for its own episode's.
-
-They run interleaved (sync, async, grpo, sync, async, grpo, ...) `--rounds` times. Each run's figures come from
-WORKDIR/metrics.jsonl with the first `--skip` steps left out (compile and warm-up, reported apart):
+The queue bounds the trajectories in flight or queued (`threads * slots + batch`). The settings run interleaved,
+`--rounds` times; a run's figures come from WORKDIR/metrics.jsonl without its first `--skip` steps (compiles):
 
   trajectories/s = rows * n / sum(step_time_s),   learner idle = sum(wait_fraction * step_time_s) / sum(step_time_s)
 
-over the n measured steps (a step's time runs from one update's dispatch to the next's; its `learner/busy_s`,
-the calibration's learner step times, is the part of it in which an update ran, = step_time_s - the idle part).
-Before the runs a probe plays `--probe_calls` sampler calls of the same workload outside the trainer and times
-every generation call; with the runs' step times and generation times it gives `--json` (the measurements
-`python -m sao_jax.sim.calibrate --measurements=...` reads: see that module).
+(a step runs from one update's dispatch to the next's; `learner/busy_s` is its part in which an update ran). A probe
+first times `--probe_calls` sampler calls of the workload outside the trainer; with the runs it gives `--json`, the
+measurements `python -m sao_jax.sim.calibrate` reads.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ r"""Train-step throughput and model FLOP utilisation (MFU) of the decoder on thi
 
 One step = forward + backward + AdamW update of a next-token cross-entropy loss over the whole batch, jitted,
 params and optimizer state donated. By default the batch's gradient is accumulated over 4 microbatches of 4
-sequences (`lax.scan`; one AdamW update per step, as without accumulation): on this 2-core CPU the smaller
-activations stay in cache and the step is ~1.35x faster than `--microbatches=1`. Reported:
+sequences (`lax.scan`; one AdamW update per step, as without accumulation): on a 2-core CPU the smaller
+activations stay in cache, and the step is faster than `--microbatches=1` (docs/benchmarks/learner.md). Reported:
 
   tokens/s = batch * seq / step_time
   model FLOP/s = tokens/s * flops_per_token,  flops_per_token = 6 * N_matmul + 12 * L * N_heads * H * seq / 2

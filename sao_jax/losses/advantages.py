@@ -211,8 +211,8 @@ def default_gae_impl(backend: str | None = None) -> str:
   """The `impl` that 'auto' resolves to on `backend` (default: jax's default backend).
 
   Why: XLA:CPU pays per while-loop iteration and for layout changes of large arrays; 'blocked' keeps both small,
-  while the log-depth scan moves the whole array ~2 log2(T) times (figures: `python -m sao_jax.benchmarks.gae`,
-  README). On GPU / TPU the associative scan is the parallel one.
+  while the log-depth scan moves the whole array ~2 log2(T) times (docs/benchmarks/gae.md). On GPU / TPU the
+  associative scan is the parallel one.
   """
   backend = backend or jax.default_backend()
   return 'blocked' if backend == 'cpu' else 'associative'

@@ -4,10 +4,9 @@ Takes what the loop benchmark measures on a machine (generation speed per slot, 
 numbers, distributions, or raw samples that `Dist.fit` turns into a distribution) and the figures it measured
 (trained trajectories/s, learner idle fraction), simulates the same loop in the four settings sync/async x
 SAO/GRPO, and prints the side-by-side table. A rate is `within` when |predicted - measured| <= TOLERANCE *
-|measured| (the issue's 20%). A fraction f (FRACTIONS: the learner idle fraction) is one measurement with two
-faces, f and its complement 1 - f (the learner's busy fraction), and a relative error of the larger one says
-little (idle 0.89 predicted as 0.87 is -2%, but the busy time 0.11 -> 0.13 is +18%): a fraction is `within`
-when both are, |p - m| <= TOLERANCE * min(m, 1 - m), and the table gives both errors.
+|measured|. A fraction f (FRACTIONS: the learner idle fraction) is one measurement with two faces, f and 1 - f
+(the learner's busy fraction), and the relative error of the larger one says little: a fraction is `within` when
+both are, |p - m| <= TOLERANCE * min(m, 1 - m), and the table gives both errors.
 
 The learner idle fraction is the trainer's `learner/wait_fraction` (time-weighted over the measured steps): the
 share of the time between update dispatches in which no update ran. The simulator's is 1 - its learner

@@ -4,7 +4,8 @@ Prints the summary (utilisations, trajectories/hour, staleness percentiles and h
 group waits), the end-of-run ledger and the wall and CPU seconds the simulation took. `--set` values are
 JSON (`--set=group_size=8 --set=max_staleness=inf --set='gen_tokens={"kind":"pareto","mean":3000,"alpha":1.5}'`).
 
-The speed figure of the README: `python -m sao_jax.sim.run --preset=pod` (a simulated day of 1024 slots).
+The simulator's speed (sao_jax/sim/README.md): `python -m sao_jax.sim.run --preset=pod` (a simulated day of 1024
+slots).
 """
 
 from __future__ import annotations
