@@ -3,21 +3,15 @@ r"""Runs an experiment of `experiments/specs.py` (every arm x seed not yet done)
   python -m experiments.run --experiment=algos_arith [--arms=sao,grpo] [--seeds=0,1,2] [--quick]
       [--runs=/tmp/sao_experiments] [--results=experiments/results] [--report_only] [--norestore]
 
-Each run is the trainer's own command line in a child process (`python -m sao_jax.main ...`, printed before it
-starts), with its workdir `RUNS/<experiment>/<arm>/seed<k>`: a run that is killed (or a session that ends)
-resumes from its last checkpoint when the same command is given again, and a finished run (its `done.json`) is
-not run twice. Before running, the finished runs of the experiment's committed report (RESULTS/<experiment>/
-curves.csv) that RUNS lacks are rebuilt from it (`report.restore`; `--norestore` starts from RUNS alone): on a
-fresh machine new seeds add to the report instead of replacing it. The runs of one experiment share a
-persistent compilation cache (`RUNS/compile_cache`). Runs go one after another, never in parallel, so their
-wall times compare. After every run the experiment's report is rewritten (`experiments.report`):
-RESULTS/<experiment>/curves.csv, summary.md and the PNGs, so an interrupted experiment still has the report of
-what finished.
+Each run is the trainer's own command line (`python -m sao_jax.main ...`, printed) in a child process, with the
+workdir `RUNS/<experiment>/<arm>/seed<k>`: the same command resumes a killed run, and a finished one (`done.json`)
+is not run again. Runs go one after another (their wall times compare), share `RUNS/compile_cache`, and start
+after every arm of the experiment validates. First, the finished runs of the committed report
+(RESULTS/<experiment>/curves.csv) that RUNS lacks are restored from it (`report.restore`; `--norestore`: RUNS
+alone), so new seeds add to the report; after every run the report is rewritten (`experiments.report`).
 
-`--quick` runs the first two arms for one seed with `specs.QUICK` (a tiny model, 2 steps) into a scratch
-directory: the test suite runs it so the scripts cannot rot (its numbers mean nothing); it first validates every
-arm of every experiment (`config_lib.validate`). A real run validates its experiment's arms before the first
-run starts, so a bad arm fails in seconds.
+`--quick` validates every arm of every experiment, then runs the first two arms for one seed with `specs.QUICK`
+(a tiny model, 2 steps) into a scratch directory: the test suite runs it (its numbers mean nothing).
 """
 
 from __future__ import annotations

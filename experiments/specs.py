@@ -1,4 +1,4 @@
-"""The experiments of issue 12 as data: each is a base config, a set of arms (config overrides) and seeds.
+"""The experiments of experiments/README.md as data: each a base config, a set of arms (config overrides), seeds.
 
 An arm is `config.<path> = value` overrides on top of the experiment's config file; every run of an arm is
 `python -m sao_jax.main --config=<config> --workdir=<runs>/<experiment>/<arm>/seed<k> --config.seed=<k>
