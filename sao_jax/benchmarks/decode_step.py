@@ -1,15 +1,12 @@
-r"""The continuous sampler's decode step with and without row groups (`SlotSampler(row_groups=True)`).
+r"""The slot engine's decode step at several attention windows.
 
-  python -m sao_jax.benchmarks.decode_step [--model=smollm2-135m --rows=16 --steps=8 \
-      --cases=352,352:12@88,352:12@176,616,616:12@176]
+  python -m sao_jax.benchmarks.decode_step [--model=smollm2-135m --rows=16 --steps=8 --windows=176,352,616]
 
-A case is `WINDOW` (one row group: every row attends over WINDOW slots) or `WINDOW:R@W` (the first R rows attend
-over W slots, the others over WINDOW). Each runs the jitted decode program (`models.continuous._decode`, the one
-`SlotSampler` runs, sampling at temperature 1, no queue, its window buffers kept between calls) for `--steps`
-steps over `--rows` rows of random weights and a 704-slot cache, and prints milliseconds a step (the best of
-`--repeats` calls, after a first call that compiles). Long-tailed rollouts have a few rows with long histories
-among many short ones: their window is the longest row's, and on a CPU a step's attention over it is a large part
-of its cost.
+Each window runs the jitted decode program (`generate.programs.decode_program`, the one `SlotSampler` runs,
+sampling at temperature 1, no queue, its window buffers kept between calls) for `--steps` steps over `--rows`
+rows of random weights and a 704-slot cache, and prints milliseconds a step (the best of `--repeats` calls,
+after a first call that compiles). A step's attention reads rows x window slots: on a CPU, a large part of its
+cost at long windows. Reports: docs/benchmarks/rollout.md.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sao_jax.generate import slots as continuous
+from sao_jax.generate import programs
 from sao_jax.models import decode
 from sao_jax.models.config import get_model_config
 from sao_jax.models.llama import Decoder
@@ -34,17 +31,8 @@ _MODEL = flags.DEFINE_string('model', 'smollm2-135m', 'Named model config (rando
 _ROWS = flags.DEFINE_integer('rows', 16, 'Decode rows.')
 _STEPS = flags.DEFINE_integer('steps', 8, 'Decode steps per call.')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed calls per case (the best is printed).')
-_CASES = flags.DEFINE_list('cases', ['352', '352:12@88', '352:12@176', '616', '616:12@176'],
-                           'WINDOW or WINDOW:ROWS@SHORT_WINDOW (the first ROWS rows at SHORT_WINDOW slots).')
+_WINDOWS = flags.DEFINE_list('windows', ['176', '352', '616'], 'Attention windows (slots), one case each.')
 _CACHE = 704  # Slots of the cache the rows are cut from (SmolLM2's rollout benchmark: 607-token episodes).
-
-
-def _case(text: str) -> tuple[int, tuple[int, int] | None]:
-  window, _, split = text.partition(':')
-  if not split:
-    return int(window), None
-  rows, _, short = split.partition('@')
-  return int(window), (int(rows), int(short))
 
 
 def main(argv):
@@ -61,19 +49,17 @@ def main(argv):
 
   print(f'# {_MODEL.value} (random weights), {r} rows, {_STEPS.value} steps a call, cache {_CACHE} slots; '
         f'{jax.devices()[0].platform}')
-  print('| case | ms a step | first call s |')
+  print('| rows at window | ms a step | first call s |')
   print('|---|---:|---:|')
-  for text in _CASES.value:
-    window, split = _case(text)
-    st = StaticSettings(cfg, SamplingParams(), (), 0, window, split)
-    # The row groups' window buffers, kept from one call to the next as `SlotSampler` keeps them.
-    kept = [tuple((c.k, c.v) for c in (decode.init_cache(cfg, hi - lo, w)
-                                       for lo, hi, w in continuous.row_groups(r, st)))]
+  for window in (int(w) for w in _WINDOWS.value):
+    st = StaticSettings(cfg, SamplingParams(), (), 0, window)
+    init = decode.init_cache(cfg, r, window)
+    kept = [(init.k, init.v)]  # The window buffers, kept from one call to the next as `SlotSampler` keeps them.
 
     def run(c, st=st):
-      *_, kept[0] = jax.block_until_ready(continuous._decode(  # pylint: disable=protected-access
+      *_, kept[0] = jax.block_until_ready(programs.decode_program(
           st, _STEPS.value, None, weights, c, rows, zeros, np.ones((r,), bool), zeros,
-          np.full((r,), 10 ** 6, np.int32), zeros.astype(np.uint32), np.int32(r + 1), None, None, kept[0]))
+          np.full((r,), 10 ** 6, np.int32), zeros.astype(np.uint32), np.int32(r + 1), None, kept[0]))
 
     t0 = time.perf_counter()
     run(cache())
@@ -84,8 +70,7 @@ def main(argv):
       t0 = time.perf_counter()
       run(c)
       best = min(best, time.perf_counter() - t0)
-    label = f'{r} rows at {window}' if split is None else f'{split[0]} rows at {split[1]}, {r - split[0]} at {window}'
-    print(f'| {label} | {best / _STEPS.value * 1e3:.3g} | {first:.1f} |', flush=True)
+    print(f'| {r} rows at {window} | {best / _STEPS.value * 1e3:.3g} | {first:.1f} |', flush=True)
 
 
 if __name__ == '__main__':

@@ -3,8 +3,7 @@ r"""Rollout throughput on long-tailed episodes: static batches (`run_episodes`) 
 
   python -m sao_jax.benchmarks.rollout [--model=tiny | --hf_dir=/path/to/smollm2-hf] \
       [--episodes=128 --slots=16 --workloads=single,multi --repeats=2 --decode_steps=32 --refill_rows=1,4
-       --fuse_admissions=true,false --device_refill=false,true --row_groups=false,true \
-       --admission_rows=auto,exact,padded]
+       --device_refill=false,true --queue_chunk=16]
 
 Workloads (the same episodes, the same seeds, for both runners):
 
@@ -23,12 +22,12 @@ printed alongside, the process CPU seconds of each (on a machine loaded by other
 figure) and the memory bandwidth measured just before each run (`common.memory_bandwidth`, the median of the
 runner's runs: on a shared host it moves several-fold within minutes, and a decode step over a long KV cache moves
 with it). The continuous runner runs once per `--refill_rows` value (free slots a decode chunk waits for while
-episodes wait: 1 refills a slot at once), interleaved with the static runs; a line per run says its decode steps,
-chunks, admissions and the wall and CPU seconds and page faults in each kind of device call. The continuous runner
-starts new episodes from the cache of the prompts' shared head (`--prefix_cache`, on by default: the chat
-template's system prompt) and writes short admissions in the first step of a decode chunk (`--fuse_admissions`,
-one run per value); slots admitted together go to device calls of full row buckets or one padded call
-(`--admission_rows`, one run per value); the static runner prefills whole prompts (one call per batch).
+episodes wait: 1 refills a slot at once) and `--device_refill` value (slots take queued episodes inside decode
+chunks, as the actors' engine does, or the host admits them between chunks), interleaved with the static runs; a
+line per run says its decode steps, chunks, admissions and the wall and CPU seconds and page faults in each kind
+of device call. The continuous runner starts new episodes from the cache of the prompts' shared head
+(`--prefix_cache`); the static runner prefills whole prompts (one call per batch). Reports:
+docs/benchmarks/rollout.md.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from sao_jax import rollout
 from sao_jax.benchmarks import common
 from sao_jax.envs import base
 from sao_jax.models.config import get_model_config
-from sao_jax.generate.slots import ADMISSION_ROWS, SlotSampler
+from sao_jax.generate.slots import SlotSampler
 from sao_jax.models.llama import Decoder
 from sao_jax.generate.sampling import SamplingParams
 from sao_jax.rollout.continuous import run_continuous
@@ -71,19 +70,11 @@ _PREFIX_CACHE = flags.DEFINE_bool('prefix_cache', True, 'Continuous: new episode
 _DECODE_STEPS = flags.DEFINE_integer('decode_steps', 32, 'Decode steps per continuous chunk (at most).')
 _REFILL_ROWS = flags.DEFINE_list('refill_rows', ['1', '4'], 'Continuous runs, one per value: while episodes wait, '
                                  'a decode chunk ends once this many slots are free (1: a slot is refilled at once).')
-_FUSE = flags.DEFINE_list('fuse_admissions', ['false'], 'Continuous runs, one per value (x --refill_rows): short '
-                          "admissions are written by the decode chunk's first step (true) or by device calls of "
-                          'their own (false).')
-_REFILL = flags.DEFINE_list('device_refill', ['false'], 'Continuous runs, one per value (x --refill_rows x '
-                            "--fuse_admissions): a slot whose episode's last turn ends takes a queued episode inside "
-                            'the decode chunk (true) or the host admits it between chunks (false).')
+_REFILL = flags.DEFINE_list('device_refill', ['true'], 'Continuous runs, one per value (x --refill_rows): a slot '
+                            "whose episode's last turn ends takes a queued episode inside the decode chunk (true, "
+                            'the actors\' engine) or the host admits it between chunks (false).')
 _QUEUE_CHUNK = flags.DEFINE_integer('queue_chunk', 32, 'With --device_refill: the longest prompt (past the shared '
                                     'prefix) a queued episode may have (the tiny workload\'s prompts: <= 31 tokens).')
-_ROW_GROUPS = flags.DEFINE_list('row_groups', ['false'], 'Continuous runs, one per value (x the settings above): a '
-                                 "decode chunk runs its shorter-history slots at a smaller attention window (true).")
-_ADMISSION_ROWS = flags.DEFINE_list('admission_rows', ['auto'], 'Continuous runs, one per value (x the settings '
-                                    "above): slots admitted together as calls of full row buckets ('exact'), one "
-                                    "padded call ('padded') or 'auto' (`SlotSampler`).")
 _SEED = flags.DEFINE_integer('seed', 0, 'Workload and sampling seed.')
 
 
@@ -163,25 +154,16 @@ def main(argv):
   backend = rollout.SamplerBackend(model, stop_ids=stop_ids, pad_id=tok.pad_id, max_total_len=max_seq_len,
                                    min_rows=slots_n)
   as_bool = lambda x: {'true': True, 'false': False}[x.lower()]
-  fuses, device_refills = [as_bool(x) for x in _FUSE.value], [as_bool(x) for x in _REFILL.value]
-  groups = [as_bool(x) for x in _ROW_GROUPS.value]
-  admission_rows = _ADMISSION_ROWS.value
-  if not set(admission_rows) <= set(ADMISSION_ROWS):
-    raise ValueError(f'--admission_rows must list values of {ADMISSION_ROWS}, got {admission_rows}.')
-  settings = [(f, d, g, a) for f in fuses for d in device_refills for g in groups for a in admission_rows]
+  settings = [as_bool(x) for x in _REFILL.value]  # Device refill or not.
   slot_sampler = SlotSampler(backend.sampler, num_slots=slots_n, max_seq_len=max_seq_len, stop_ids=stop_ids,
                              pad_id=tok.pad_id, decode_steps=_DECODE_STEPS.value, prefix_cache=_PREFIX_CACHE.value,
-                             fuse_admissions=any(fuses), device_refill=any(device_refills),
-                             queue_chunk=_QUEUE_CHUNK.value, row_groups=any(groups))
-  auto_exact = slot_sampler.exact_admissions
+                             device_refill=any(settings), queue_chunk=_QUEUE_CHUNK.value)
 
-  def use(setting):
-    fuse, refill, split, rows = setting
-    slot_sampler.fuse_admissions, slot_sampler.device_refill, slot_sampler.row_groups = fuse, refill, split
-    slot_sampler.exact_admissions = auto_exact if rows == 'auto' else rows == 'exact'
+  def use(refill):
+    slot_sampler.device_refill = refill
 
   t0 = time.perf_counter()
-  for setting in settings:  # Decode programs that carry an admission, a queue or row groups: each compiles its own.
+  for setting in settings:  # Decode programs that carry a queue compile programs of their own.
     use(setting)
     slot_sampler.warmup(decoding)
   print(f'# model {name}; {n} episodes, {slots_n} slots; continuous warm-up (compile) {time.perf_counter() - t0:.1f}s, '
@@ -203,13 +185,11 @@ def main(argv):
   refills = [int(x) for x in _REFILL_ROWS.value]
   if not refills or min(refills) < 1:
     raise ValueError(f'--refill_rows must list values >= 1, got {_REFILL_ROWS.value}.')
-  run_name = lambda r, f, d, g, a: 'continuous' + ''.join(
-      [f' refill {r}' if len(refills) > 1 else '', (' fused' if f else ' unfused') if len(fuses) > 1 else '',
-       (' device refill' if d else ' host refill') if len(device_refills) > 1 else '',
-       (' row groups' if g else ' one group') if len(groups) > 1 else '',
-       f' {a} admissions' if len(admission_rows) > 1 else ''])
-  runners = [('static', run_static)] + [(run_name(r, *s), lambda envs, r=r, s=s: run_cont(envs, r, s))
-                                        for r in refills for s in settings]
+  run_name = lambda r, d: 'continuous' + ''.join(
+      [f' refill {r}' if len(refills) > 1 else '',
+       (' device refill' if d else ' host refill') if len(settings) > 1 else ''])
+  runners = [('static', run_static)] + [(run_name(r, d), lambda envs, r=r, d=d: run_cont(envs, r, d))
+                                        for r in refills for d in settings]
 
   # Where the continuous runner's time goes: device calls, decode steps run, wall and CPU seconds in each kind.
   calls = collections.defaultdict(float)
@@ -224,7 +204,6 @@ def main(argv):
       calls[f'{kind}_calls'] += 1
       if kind == 'decode':
         calls['decode_steps'] += slot_sampler.steps_run - steps  # Steps the chunk ran.
-        calls['fused'] += len(args[3])  # Admissions written by the chunk's first step.
         calls['queued'] += sum(r.queued is not None for r in out)  # Episodes started inside the chunk.
       return out
     return call
@@ -260,8 +239,7 @@ def main(argv):
         runs[label].append((wall, tokens, cpu, bandwidth))
         if label != 'static':
           print(f'# {kind} {label} run {r}: {calls["decode_steps"]:.0f} decode steps in {calls["decode_calls"]:.0f} '
-                f'chunks ({calls["fused"]:.0f} admissions fused into them, {calls["queued"]:.0f} episodes started in '
-                f'them), {calls["admit_calls"]:.0f} admission rounds in {calls["admit_programs"]:.0f} device '
+                f'chunks ({calls["queued"]:.0f} episodes started in them), {calls["admit_calls"]:.0f} admission rounds in {calls["admit_programs"]:.0f} device '
                 f'calls; wall s: decode {calls["decode_wall"]:.2f}, admit '
                 f'{calls["admit_wall"]:.2f}, rest {wall - calls["decode_wall"] - calls["admit_wall"]:.2f}; CPU s: '
                 f'decode {calls["decode_cpu"]:.2f}, admit {calls["admit_cpu"]:.2f}, rest '
