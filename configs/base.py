@@ -83,8 +83,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   m.remat = False  # Rematerialise decoder blocks in the backward pass (saves memory).
   # Precision of float32 matmuls in every program of the run (jax_default_matmul_precision): 'default' is the
   # backend's (one bf16 pass on TPU, TF32 on NVIDIA GPUs: the sampler's and the learner's log-probs of a token then
-  # differ by ~1e-3, as they come from different programs), 'high' (bf16_3x / TF32 on GPU), 'highest' (full float32;
-  # slower matmuls on TPU and GPU). CPU computes float32 in full at any setting.
+  # differ in the 4th decimal, as they come from different programs: docs/benchmarks/accelerators.md), 'high'
+  # (bf16_3x / TF32 on GPU), 'highest' (full float32; slower matmuls on TPU and GPU). CPU computes float32 in full.
   m.matmul_precision = 'default'
 
   # ---- Sampler (actor side generation).
