@@ -3,13 +3,13 @@
     python -m sao_jax.main --config=configs/drift.py --workdir=/tmp/sao_drift     # `:PERIOD` sets the period
 
 The demo's model (`configs/arith.py`) is warm-started on a broad base rule (operands of 1-3 digits, `+`, `-` and
-`*` by one digit), then trained by RL while the rule moves every `period` learner steps through sub-distributions
-of it: 2-digit sums and differences, products of 2-3 digits by one digit, the base mix again (`cycle`). The
-held-out greedy accuracy is always on the current phase's own held-out set (the phase: `drift/phase`), so a curve
-shows the level at a shift and the recovery after it, and the return to the base mix what specialising cost.
-Phases are sub-distributions of the warm start, not new rules: the warm-started model answers almost nothing it
-was not warm-started on, and a policy that never earns a reward cannot learn from it; each phase has thousands
-of distinct problems, or the policy memorises them (docs/benchmarks/demo.md).
+`*` by one digit), then trained by RL while the rule moves every `period` learner steps through phases: the base
+mix, 2-digit sums and differences, products of 2-3 digits by one digit, and around again (`cycle`). The held-out
+greedy accuracy is always on the current phase's own held-out set (the phase: `drift/phase`), so a curve shows
+the level at a shift, the recovery after it, and on the return to the base mix what specialising cost. Phases
+are sub-distributions of the warm start, not new rules: the warm-started model answers almost nothing it was not
+warm-started on, and a policy that never earns a reward cannot learn from it; each phase has thousands of
+distinct problems, or the policy memorises them (docs/benchmarks/demo.md).
 """
 
 import ml_collections
