@@ -2,9 +2,9 @@
 
 `validate(config)` resolves the algorithm's preset (`learner.algo.resolve`) and composes every check:
 
-1. the field table `FIELDS`: every leaf of `configs/base.py` has an entry (type: bool / int / float / str /
-   tuple; floats finite; a range or a choice where the field has one), and a leaf without an entry is refused,
-   so a new knob cannot arrive unchecked;
+1. the fields: every leaf of `configs/base.py` (`defaults()`, the knob list's one source) has the type of its
+   default (`field_types`: bool / int / float / str / tuple; floats finite), a leaf that base.py does not have is
+   refused, and `FIELDS` adds a range or a choice where a field has one;
 2. relations between fields (`max_seq_len > max_new_tokens`, the largest sequence bucket holds an episode, ...);
 3. each module's own check, kept where its rule lives and shared with the module's constructor: the learner's
    (`learner.algo.check_config`), the optimizer's (`learner.optim.check_config`), the checkpointer's
@@ -20,8 +20,10 @@ Layering: this module sits just below `main` / `trainer`; nothing it imports imp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +31,7 @@ import jax
 import ml_collections
 from absl import logging
 
+from configs import base as base_config
 from sao_jax import checkpoint
 from sao_jax import parallel
 from sao_jax.envs import registry
@@ -46,7 +49,7 @@ from sao_jax.parallel import distributed
 from sao_jax.rollout.actor import WEIGHT_SWITCHES
 from sao_jax.tokenizers import CharTokenizer
 
-__all__ = ['ConfigError', 'FIELDS', 'leaf_paths', 'validate']
+__all__ = ['ConfigError', 'FIELDS', 'defaults', 'field_types', 'leaf_paths', 'validate']
 
 TRAINER_MODES = ('sync', 'async')  # sync: generate then train (on-policy); async: sampler threads + queue.
 HF_MODEL = 'hf'  # config.model.name of a model read from config.model.hf_dir.
@@ -54,21 +57,45 @@ TOKENIZERS = ('char', 'hf')  # Or a directory with tokenizer.json.
 MATMUL_PRECISIONS = ('default', 'high', 'highest')  # config.model.matmul_precision: jax_default_matmul_precision.
 
 
+# Sub-configs of `configs/base.py` that are one field each (type `Mapping`), their keys checked by their owner:
+# `task.kwargs` by the task's options (`envs.registry.validate_task_config`).
+OWNED_SUBCONFIGS = ('task.kwargs',)
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """Every knob at its default: the repository's `configs/base.py` (the `configs` package is installed with
+  `sao_jax`, pyproject). The package reads base.py here only: the validator's field types (`field_types`) and the
+  checkpoint's config diff (a knob added since a checkpoint, at its default) come from this."""
+  return base_config.get_config()
+
+
+@functools.cache
+def field_types() -> Mapping[str, type]:
+  """Every field of `configs/base.py` (dotted path) -> the type of its default (a `placeholder(t)` carries t;
+  `Mapping` for an owned sub-config, `OWNED_SUBCONFIGS`). A value passes as `_is_kind` says: `bool` only a bool,
+  `int` no bool, `float` a finite float or int, `tuple` a tuple or list."""
+  out = {}
+
+  def walk(node: ml_collections.ConfigDict, prefix: str) -> None:
+    for key in node.keys():
+      path, kind = f'{prefix}{key}', node.get_type(key)
+      if issubclass(kind, ml_collections.ConfigDict) and path not in OWNED_SUBCONFIGS:
+        walk(node[key], path + '.')
+      else:
+        out[path] = Mapping if issubclass(kind, ml_collections.ConfigDict) else kind
+  walk(defaults(), '')
+  return types.MappingProxyType(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class Check:
-  """One field's check: its type and, optionally, a condition on the value with the reason shown when it fails.
-
-  `kind` is `bool`, `int`, `float` (finite; an int is accepted), `str`, `tuple` (a list is accepted) or
-  `Mapping` (a sub-config checked by its owner, e.g. `task.kwargs` by the task's options).
-  """
-  kind: type
-  ok: Callable[[Any], bool] | None = None
-  why: str = ''
+  """A condition on one field's value, with the reason shown when it fails (its type is checked first, from
+  `field_types`)."""
+  ok: Callable[[Any], bool]
+  why: str
 
   def __call__(self, path: str, value: Any) -> None:
-    if not _is_kind(value, self.kind):
-      raise ConfigError(f'config.{path}={value!r} has type {type(value).__name__}; expected {self.kind.__name__}.')
-    if self.ok is not None and not self.ok(value):
+    if not self.ok(value):
       raise ConfigError(f'config.{path}={value!r}: {self.why}')
 
 
@@ -86,8 +113,8 @@ def _is_kind(value: Any, kind: type) -> bool:
   return isinstance(value, kind)
 
 
-def _num(kind: type, ge=None, gt=None, le=None, lt=None, why: str = '') -> Check:
-  """An int / float field within bounds (each bound optional; `ge`/`le` closed, `gt`/`lt` open)."""
+def _bounds(ge=None, gt=None, le=None, lt=None, why: str = '') -> Check:
+  """A number within bounds (each bound optional; `ge`/`le` closed, `gt`/`lt` open)."""
   parts = [f'>= {ge}' if ge is not None else '', f'> {gt}' if gt is not None else '',
            f'<= {le}' if le is not None else '', f'< {lt}' if lt is not None else '']
   rule = ' and '.join(p for p in parts if p)
@@ -95,159 +122,117 @@ def _num(kind: type, ge=None, gt=None, le=None, lt=None, why: str = '') -> Check
   def ok(v):
     return ((ge is None or v >= ge) and (gt is None or v > gt) and (le is None or v <= le)
             and (lt is None or v < lt))
-  return Check(kind, ok if rule else None, f'must be {rule}{". " + why if why else "."}' if rule else '')
-
-
-def _int(**bounds) -> Check:
-  return _num(int, **bounds)
-
-
-def _float(**bounds) -> Check:
-  return _num(float, **bounds)
+  return Check(ok, f'must be {rule}{". " + why if why else "."}')
 
 
 def _choice(choices: Sequence[str]) -> Check:
-  return Check(str, lambda v: v in choices, f'is not one of {list(choices)}.')
+  return Check(lambda v: v in choices, f'is not one of {list(choices)}.')
 
 
 def _buckets() -> Check:
-  return Check(tuple, lambda v: len(v) > 0 and all(_is_kind(b, int) and b >= 1 for b in v)
+  return Check(lambda v: len(v) > 0 and all(_is_kind(b, int) and b >= 1 for b in v)
                and all(a < b for a, b in zip(v, v[1:])), 'must be positive ints in increasing order.')
 
 
-# Every leaf of `configs/base.py` -> its check. Fields whose rule belongs to a module are typed here and checked
-# by that module in `validate` (named in the comment), so each rule is written once.
+# Conditions on fields of `configs/base.py` (path -> check), run after the field's type (`field_types`); a field
+# without one here needs only its type. Fields whose rule belongs to a module are checked by that module in
+# `validate` (named in the comment), so each rule is written once.
 FIELDS: dict[str, Check] = {
-    'seed': _int(ge=0),
-    'workdir': Check(str),  # And checkpoint.check_config (set when a run saves checkpoints).
+    'seed': _bounds(ge=0),
+    # workdir: checkpoint.check_config (set when a run saves checkpoints).
     # ---- algo
     'algo.name': _choice(algo_lib.ALGOS),
     'algo.domain': _choice(algo_lib.DOMAINS),
-    'algo.ablations': Check(tuple, lambda v: all(isinstance(x, str) for x in v), 'must be strings.'),
+    'algo.ablations': Check(lambda v: all(isinstance(x, str) for x in v), 'must be strings.'),
     'algo.clip_mode': _choice(CLIP_MODES),
-    'algo.eps_low': _float(gt=0.0, lt=1.0, why='The band (1 - eps_low, 1 + eps_high) needs 0 < 1 - eps_low < 1.'),
-    'algo.eps_high': _float(gt=0.0),
-    'algo.dual_clip_c': _float(gt=1.0),
+    'algo.eps_low': _bounds(gt=0.0, lt=1.0, why='The band (1 - eps_low, 1 + eps_high) needs 0 < 1 - eps_low < 1.'),
+    'algo.eps_high': _bounds(gt=0.0),
+    'algo.dual_clip_c': _bounds(gt=1.0),
     'algo.agg': _choice(AGGREGATIONS),
-    'algo.agg_max_len': _int(ge=0),
+    'algo.agg_max_len': _bounds(ge=0),
     'algo.behavior_correction': _choice(BEHAVIOR_CORRECTIONS),
-    'algo.tis_cap': _float(gt=0.0),
-    'algo.icepop_low': _float(ge=0.0, le=1.0, why='An on-policy token (weight 1) must be kept.'),
-    'algo.icepop_high': _float(ge=1.0, why='An on-policy token (weight 1) must be kept.'),
-    'algo.gamma': _float(ge=0.0, le=1.0),
-    'algo.lam_critic': _float(ge=0.0, le=1.0),
-    'algo.lam_policy': _float(le=1.0, why='A value < 0 selects the length-adaptive lambda.'),
-    'algo.adaptive_alpha': _float(gt=0.0),
-    'algo.whiten_advantages': Check(bool),
+    'algo.tis_cap': _bounds(gt=0.0),
+    'algo.icepop_low': _bounds(ge=0.0, le=1.0, why='An on-policy token (weight 1) must be kept.'),
+    'algo.icepop_high': _bounds(ge=1.0, why='An on-policy token (weight 1) must be kept.'),
+    'algo.gamma': _bounds(ge=0.0, le=1.0),
+    'algo.lam_critic': _bounds(ge=0.0, le=1.0),
+    'algo.lam_policy': _bounds(le=1.0, why='A value < 0 selects the length-adaptive lambda.'),
+    'algo.adaptive_alpha': _bounds(gt=0.0),
     'algo.advantages_from': _choice(algo_lib.ADVANTAGE_SOURCES),
-    'algo.critic_epochs': _int(ge=1),
-    'algo.critic_warmup_steps': _int(ge=0),
-    'algo.value_clip_eps': _float(ge=0.0),
+    'algo.critic_epochs': _bounds(ge=1),
+    'algo.critic_warmup_steps': _bounds(ge=0),
+    'algo.value_clip_eps': _bounds(ge=0.0),
     'algo.truncation': _choice(algo_lib.TRUNCATIONS),
     'algo.gae_over': _choice(algo_lib.GAE_OVER),
-    'algo.group_size': _int(ge=1),  # And algo.check_config (>= 2 for the group algorithms).
-    'algo.group_std_normalize': Check(bool),
+    'algo.group_size': _bounds(ge=1),  # And algo.check_config (>= 2 for the group algorithms).
     'algo.group_baseline': _choice(algo_lib.GROUP_BASELINES),
-    'algo.dynamic_sampling': Check(bool),
-    'algo.kl_coef': _float(ge=0.0),
+    'algo.kl_coef': _bounds(ge=0.0),
     'algo.kl_estimator': _choice(KL_ESTIMATORS),
-    'algo.entropy_coef': _float(ge=0.0),
+    'algo.entropy_coef': _bounds(ge=0.0),
     # ---- optim (optimizer, schedule and the cosine horizon: optim.check_config)
-    'optim.optimizer': Check(str),
-    'optim.actor_lr': _float(ge=0.0),
-    'optim.critic_lr': _float(ge=0.0),
-    'optim.schedule': Check(str),
-    'optim.warmup_steps': _int(ge=0),
-    'optim.total_steps': _int(ge=0, why='0 = the whole run (sao_jax.learner.optimizer_horizons).'),
-    'optim.end_lr_factor': _float(ge=0.0, le=1.0),
-    'optim.b1': _float(ge=0.0, lt=1.0),
-    'optim.b2': _float(ge=0.0, lt=1.0),
-    'optim.eps': _float(gt=0.0),
-    'optim.weight_decay': _float(ge=0.0),
-    'optim.grad_clip': _float(ge=0.0, why='0 turns clipping off.'),
-    'optim.freeze_critic_attention': Check(bool),
-    'optim.max_consecutive_skips': _int(ge=1, why='It stops a run of non-finite updates; 0 would never stop it.'),
+    'optim.actor_lr': _bounds(ge=0.0),
+    'optim.critic_lr': _bounds(ge=0.0),
+    'optim.warmup_steps': _bounds(ge=0),
+    'optim.total_steps': _bounds(ge=0, why='0 = the whole run (sao_jax.learner.optimizer_horizons).'),
+    'optim.end_lr_factor': _bounds(ge=0.0, le=1.0),
+    'optim.b1': _bounds(ge=0.0, lt=1.0),
+    'optim.b2': _bounds(ge=0.0, lt=1.0),
+    'optim.eps': _bounds(gt=0.0),
+    'optim.weight_decay': _bounds(ge=0.0),
+    'optim.grad_clip': _bounds(ge=0.0, why='0 turns clipping off.'),
+    'optim.max_consecutive_skips': _bounds(ge=1, why='It stops a run of non-finite updates; 0 would never stop it.'),
     # ---- model (name, hf_dir, dtype, tokenizer: _check_model)
-    'model.name': Check(str),
-    'model.hf_dir': Check(str),
-    'model.dtype': Check(str),
-    'model.tokenizer': Check(str),
-    'model.remat': Check(bool),
     'model.matmul_precision': _choice(MATMUL_PRECISIONS),
     # ---- sampler
-    'sampler.temperature': _float(gt=0.0),
-    'sampler.top_p': _float(gt=0.0, le=1.0),
-    'sampler.top_k': _int(ge=0, why='0 turns the top-k cut off.'),
-    'sampler.max_new_tokens': _int(ge=1),
-    'sampler.max_seq_len': _int(ge=2),
+    'sampler.temperature': _bounds(gt=0.0),
+    'sampler.top_p': _bounds(gt=0.0, le=1.0),
+    'sampler.top_k': _bounds(ge=0, why='0 turns the top-k cut off.'),
+    'sampler.max_new_tokens': _bounds(ge=1),
+    'sampler.max_seq_len': _bounds(ge=2),
     'sampler.prompt_buckets': _buckets(),
-    'sampler.batch_size': _int(ge=1),
-    'sampler.num_threads': _int(ge=1),
-    'sampler.continuous': Check(bool),
-    'sampler.decode_steps': _int(ge=1),
-    'sampler.refill_rows': _int(ge=0),
-    'sampler.compile_ahead': Check(bool),
-    'sampler.prefix_cache': Check(bool),
-    'sampler.fuse_admissions': Check(bool),
-    'sampler.device_refill': Check(bool),
-    'sampler.row_groups': Check(bool),
+    'sampler.batch_size': _bounds(ge=1),
+    'sampler.num_threads': _bounds(ge=1),
+    'sampler.decode_steps': _bounds(ge=1),
+    'sampler.refill_rows': _bounds(ge=0),
     'sampler.admission_rows': _choice(ADMISSION_ROWS),
-    'sampler.queue_chunk': _int(ge=0),
+    'sampler.queue_chunk': _bounds(ge=0),
     # ---- task (registry.validate_task_config: name, max_turns, eval_size, kwargs by the task's options)
-    'task.name': Check(str),
-    'task.max_turns': Check(int),
-    'task.eval_size': Check(int),
-    'task.step_timeout_s': _float(ge=0.0, why='0 = no bound.'),
-    'task.kwargs': Check(Mapping),
+    'task.step_timeout_s': _bounds(ge=0.0, why='0 = no bound.'),
     # ---- sft (the supervised warm start, sao_jax/sft.py)
-    'sft.steps': _int(ge=0, why='0 = off.'),
-    'sft.batch_size': _int(ge=1),
-    'sft.lr': _float(gt=0.0),
-    'sft.warmup_steps': _int(ge=0),
+    'sft.steps': _bounds(ge=0, why='0 = off.'),
+    'sft.batch_size': _bounds(ge=1),
+    'sft.lr': _bounds(gt=0.0),
+    'sft.warmup_steps': _bounds(ge=0),
     'sft.schedule': _choice(('constant', 'cosine')),
-    'sft.end_lr_factor': _float(ge=0.0, le=1.0),
-    'sft.num_examples': _int(ge=0, why='0 = a fresh problem for every row.'),
-    'sft.data_seed': _int(ge=0),
-    'sft.log_every': _int(ge=0, why='0 = the first and last steps only.'),
+    'sft.end_lr_factor': _bounds(ge=0.0, le=1.0),
+    'sft.num_examples': _bounds(ge=0, why='0 = a fresh problem for every row.'),
+    'sft.data_seed': _bounds(ge=0),
+    'sft.log_every': _bounds(ge=0, why='0 = the first and last steps only.'),
     # ---- mesh (sizes: parallel.mesh_shape / make_mesh; rules: parallel.rules_dict; layout: check_layout)
-    'mesh.data': Check(int),
-    'mesh.fsdp': Check(int),
-    'mesh.tensor': Check(int),
-    'mesh.rules': Check(tuple),
-    'mesh.actor_devices': _int(ge=0, why='0 = the actors share the learner\'s devices.'),  # parallel.split_devices
+    'mesh.actor_devices': _bounds(ge=0, why='0 = the actors share the learner\'s devices.'),  # parallel.split_devices
     # ---- distributed (distributed.check_config)
-    'distributed.coordinator_address': Check(str),
-    'distributed.num_processes': Check(int),
-    'distributed.process_id': Check(int),
     # ---- trainer (batch / minibatch / microbatch / policy_epochs: algo.check_config; keep: checkpoint)
     'trainer.mode': _choice(TRAINER_MODES),
-    'trainer.batch_size': _int(ge=1),
-    'trainer.minibatch_size': _int(ge=0, why='0 = the whole batch.'),
-    'trainer.microbatch_size': _int(ge=0, why='0 = the whole minibatch.'),
-    'trainer.policy_epochs': Check(int),
-    'trainer.num_steps': _int(ge=1),
-    'trainer.max_staleness': _int(ge=0),
-    'trainer.queue_size': _int(ge=1, why='The trajectory queue must hold at least one trajectory.'),
-    'trainer.prefetch': Check(bool),
+    'trainer.batch_size': _bounds(ge=1),
+    'trainer.minibatch_size': _bounds(ge=0, why='0 = the whole batch.'),
+    'trainer.microbatch_size': _bounds(ge=0, why='0 = the whole minibatch.'),
+    'trainer.num_steps': _bounds(ge=1),
+    'trainer.max_staleness': _bounds(ge=0),
+    'trainer.queue_size': _bounds(ge=1, why='The trajectory queue must hold at least one trajectory.'),
     'trainer.seq_buckets': _buckets(),
-    'trainer.log_every': _int(ge=1),
-    'trainer.eval_every': _int(ge=0, why='0 = off.'),
-    'trainer.checkpoint_every': _int(ge=0, why='0 = off.'),
-    'trainer.keep_checkpoints': Check(int),
+    'trainer.log_every': _bounds(ge=1),
+    'trainer.eval_every': _bounds(ge=0, why='0 = off.'),
+    'trainer.checkpoint_every': _bounds(ge=0, why='0 = off.'),
     'trainer.weight_switch': _choice(WEIGHT_SWITCHES),
-    'trainer.allow_config_change': Check(bool),
-    'trainer.export_hf': Check(str),
-    'trainer.tensorboard': Check(bool),
-    'trainer.wandb_project': Check(str),
 }
 
 
 def leaf_paths(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
-  """Dotted paths of the config's leaves; a sub-config with its own `FIELDS` entry (`task.kwargs`) is one leaf."""
+  """Dotted paths of the config's leaves; an owned sub-config (`OWNED_SUBCONFIGS`: `task.kwargs`) is one leaf."""
   out = []
   for key, value in config.items():
     path = f'{prefix}{key}'
-    if isinstance(value, ml_collections.ConfigDict) and path not in FIELDS:
+    if isinstance(value, ml_collections.ConfigDict) and path not in OWNED_SUBCONFIGS:
       out.extend(leaf_paths(value, path + '.'))
     else:
       out.append(path)
@@ -286,12 +271,22 @@ def _get(config: Any, path: str) -> Any:
   return node
 
 
+def _check_field(path: str, value: Any) -> None:
+  """The field's type (`field_types`), then its condition in `FIELDS` if it has one."""
+  kind = field_types()[path]
+  if not _is_kind(value, kind):
+    raise ConfigError(f'config.{path}={value!r} has type {type(value).__name__}; expected {kind.__name__}.')
+  if path in FIELDS:
+    FIELDS[path](path, value)
+
+
 def _check_fields(config: ml_collections.ConfigDict) -> None:
+  known = field_types()
   for path in leaf_paths(config):
-    if path not in FIELDS:
-      raise ConfigError(f'config.{path} is not a known field (every knob needs a check in config_lib.FIELDS).')
-  for path, check in FIELDS.items():
-    check(path, _get(config, path))
+    if path not in known:
+      raise ConfigError(f'config.{path} is not a known field (every knob has its default in configs/base.py).')
+  for path in known:
+    _check_field(path, _get(config, path))
 
 
 def _check_relations(config: ml_collections.ConfigDict) -> None:
@@ -382,7 +377,7 @@ def validate(config: ml_collections.ConfigDict, *, for_run: bool = False,
     ConfigError: naming the first field whose value cannot work.
   """
   for path in ('algo.name', 'algo.domain'):
-    FIELDS[path](path, _get(config, path))
+    _check_field(path, _get(config, path))
   resolved, ablations = algo_lib.resolve(config)
   _check_fields(resolved)
   _check_relations(resolved)

@@ -45,7 +45,7 @@ def main(argv):
     print(mesh_summary(config))
     return
   logging.info('Config:\n%s', config)
-  trainer.run(config)
+  trainer.run(config, validated=True)
 
 
 def mesh_summary(config) -> str:

@@ -37,7 +37,6 @@ actors -> loop -> final eval and save. The pieces (docs/design.md, Data flow):
 from __future__ import annotations
 
 import collections
-import json
 import os
 import signal
 import threading
@@ -48,7 +47,6 @@ from absl import logging
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
-from flax import nnx
 
 from sao_jax import checkpoint as checkpoint_lib
 from sao_jax import config_lib
@@ -61,8 +59,6 @@ from sao_jax import sft
 from sao_jax.envs import registry
 from sao_jax.errors import ConfigError
 from sao_jax.learner import Learner
-from sao_jax.learner import state as state_lib
-from sao_jax.learner import steps as steps_lib
 from sao_jax.generate.sampling import SamplingParams
 from sao_jax.rollout import actor as actor_lib
 from sao_jax.rollout import prompts as prompts_lib
@@ -76,131 +72,9 @@ CARRIED_TOTALS = {'trajectories': 'trajectories', 'dropped/stale': 'dropped_stal
                   'dropped/pack': 'dropped_pack', 'failed/env_error': 'env_error',
                   'failed/env_timeout': 'env_timeout'}
 
-# Config fields that may differ between a run and the checkpoint it resumes from.
-RESUMABLE_CHANGES = ('workdir', 'trainer.num_steps', 'trainer.allow_config_change', 'trainer.log_every',
-                     'trainer.eval_every', 'trainer.checkpoint_every', 'trainer.export_hf',
-                     'distributed.coordinator_address', 'distributed.process_id')  # Per process / per launch.
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Config <-> checkpoint.
-
-
-def _flat(config: Any) -> dict[str, Any]:
-  d = json.loads(config.to_json_best_effort()) if hasattr(config, 'to_json_best_effort') else dict(config)
-  out = {}
-
-  def walk(prefix, node):
-    if isinstance(node, dict):
-      for k, v in node.items():
-        walk(f'{prefix}.{k}' if prefix else k, v)
-    else:
-      out[prefix] = node
-  walk('', d)
-  return out
-
-
-def config_differences(saved: dict[str, Any], config: Any) -> list[str]:
-  """Fields (dotted paths) whose value differs between a saved flat config and `config`, minus the
-  fields a resume may change (`RESUMABLE_CHANGES`) and the knobs added since the checkpoint was written
-  that are at their `configs/base.py` default (a new knob's default keeps the behaviour from before it:
-  the rule for every knob added to `configs/base.py`)."""
-  from configs import base  # pylint: disable=g-import-not-at-top  (the repository's configs, as main loads)
-  now, defaults = _flat(config), _flat(base.get_config())
-  keys = sorted(set(saved) | set(now))
-  added_at_default = lambda k: k not in saved and k in defaults and now.get(k) == defaults[k]
-  return [k for k in keys
-          if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k) and not added_at_default(k)]
-
-
-def _optimizer_item(state: state_lib.LearnerState) -> dict[str, Any]:
-  """Everything of the learner state but the models' weights (saved as the policy / critic items)."""
-  def part(ts):
-    if ts is None:
-      return None
-    return {'opt_state': ts.opt_state, 'step': ts.step, 'skipped': ts.skipped,
-            'consecutive_skips': ts.consecutive_skips}
-  out = {'policy': part(state.policy), 'learner_step': state.step}
-  if state.critic is not None:
-    out['critic'] = part(state.critic)
-  return out
-
-
-def _restore_train_state(spec: state_lib.ModelSpec, ts: state_lib.TrainState, weights: Any,
-                         opt: dict[str, Any]) -> state_lib.TrainState:
-  model = state_lib.merge(spec, ts)
-  nnx.update(model, weights)
-  _, params, rest = nnx.split(model, spec.trainable, ...)
-  return state_lib.TrainState(params, rest, opt['opt_state'], opt['step'], opt['skipped'],
-                              opt['consecutive_skips'])
-
-
-def save_checkpoint(ckpt: checkpoint_lib.Checkpointer, learner: Learner, model_config: Any, config: Any,
-                    prompts: prompts_lib.PromptSource) -> None:
-  state = learner.state
-  critic = learner.critic_model()
-  ckpt.save(checkpoint_lib.CheckpointState(
-      step=learner.step, policy=nnx.state(learner.policy_model()),
-      critic=None if critic is None else nnx.state(critic), optimizer=_optimizer_item(state),
-      data={'prompts': prompts.state(), 'prompts_by_process': _all_process_states(prompts.state())},
-      metadata=checkpoint_lib.policy_metadata(model_config, config=_flat(config), version=learner.step)),
-      force=True)
-
-
-def restore_checkpoint(ckpt: checkpoint_lib.Checkpointer, learner: Learner, config: Any,
-                       prompts: prompts_lib.PromptSource) -> int:
-  """Restores the newest intact checkpoint into `learner` and `prompts`; returns its step.
-
-  Raises:
-    ConfigError: the checkpoint's run had another config (the differing fields named), unless
-      `config.trainer.allow_config_change`.
-  """
-  state = learner.state
-  critic = learner.critic_model()
-  target = checkpoint_lib.CheckpointState(
-      step=0, policy=checkpoint_lib.abstract_target(nnx.state(learner.policy_model())),
-      critic=None if critic is None else checkpoint_lib.abstract_target(nnx.state(critic)),
-      optimizer=checkpoint_lib.abstract_target(_optimizer_item(state)))
-  got = ckpt.restore(None, target=target)  # The newest intact step (a damaged newer one is reported, skipped).
-  step = int(got.step)
-  saved = (got.metadata or {}).get('config', {})
-  diff = config_differences(saved, config)
-  if diff and not config.trainer.allow_config_change:
-    now = _flat(config)
-    detail = '; '.join(f'{k}: {saved.get(k)!r} -> {now.get(k)!r}' for k in diff[:10])
-    raise ConfigError(f'config.workdir={config.workdir!r} holds a checkpoint (step {step}) of a run with another '
-                      f'config ({detail}). Use a fresh --workdir, or set --config.trainer.allow_config_change=True.')
-  if diff:
-    logging.warning('Resuming step %d with a changed config (allowed): %s', step, diff)
-  policy = _restore_train_state(learner.policy_spec, state.policy, got.policy, got.optimizer['policy'])
-  critic_ts = None
-  if state.critic is not None:
-    critic_ts = _restore_train_state(learner.critic_spec, state.critic, got.critic, got.optimizer['critic'])
-  learner.state = state_lib.LearnerState(policy=policy, critic=critic_ts, step=got.optimizer['learner_step'])
-  by_process = got.data.get('prompts_by_process') or [got.data['prompts']]
-  if len(by_process) != jax.process_count():
-    raise ConfigError(f'The checkpoint of step {step} holds the data positions of {len(by_process)} process(es); '
-                      f'this run has {jax.process_count()} (config.distributed.num_processes).')
-  prompts.restore(by_process[jax.process_index()])
-  logging.info('Resumed from step %d (%d prompts taken so far).', step, prompts.taken)
-  return step
-
 
 # ------------------------------------------------------------------------------------------------------------
 # Several processes.
-
-
-def _all_process_states(state: dict[str, Any]) -> list[dict[str, Any]]:
-  """Every process's JSON-able `state`, in process order, on every process (one small all-gather; one process:
-  `[state]`). Checkpoints keep them all: the JSON items are written by process 0 only."""
-  if jax.process_count() == 1:
-    return [state]
-  data = json.dumps(state).encode()
-  size = int(np.max(multihost_utils.process_allgather(np.int32(len(data)))))
-  buf = np.zeros((size,), np.uint8)
-  buf[:len(data)] = np.frombuffer(data, np.uint8)
-  rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(jax.process_count(), size)
-  return [json.loads(bytes(r).rstrip(b'\0').decode()) for r in rows]
 
 
 class _DoneClock:
@@ -289,26 +163,29 @@ class _StopFlag:
 # The run.
 
 
-def run(config: Any) -> dict[str, Any]:
+def run(config: Any, *, validated: bool = False) -> dict[str, Any]:
   """Trains as `config` says and returns the final summary.
 
-  The config is checked and its algorithm preset resolved here (`config_lib.validate(config, for_run=True)`,
-  idempotent); on several processes, `parallel.initialize` must have run first (`sao_jax.main` does it).
-  SIGTERM / SIGINT from the start of the call on: the run stops at its next step boundary (`_StopFlag`).
+  The config is checked and its algorithm preset resolved here (`config_lib.validate(config, for_run=True)`),
+  unless `validated`: `config` is already that call's result (`sao_jax.main` validates before the run, to fail
+  with a one-line error, and passes it on: validated once). On several processes, `parallel.initialize` must
+  have run first (`sao_jax.main` does it). SIGTERM / SIGINT from the start of the call on: the run stops at its
+  next step boundary (`_StopFlag`).
   """
   stop = _StopFlag()
   stop.install()
   precision = jax.config.jax_default_matmul_precision  # _run sets the run's (config.model.matmul_precision).
   try:
-    return _run(config, stop)
+    return _run(config, stop, validated=validated)
   finally:
     stop.uninstall()
     jax.config.update('jax_default_matmul_precision', precision)
 
 
-def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
+def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
   t_start = time.perf_counter()
-  config = config_lib.validate(config, for_run=True, log=False)
+  if not validated:
+    config = config_lib.validate(config, for_run=True, log=False)
   # Process-wide, not a `with` block: the actors' threads trace their programs too (jax's contexts are per thread).
   jax.config.update('jax_default_matmul_precision', config.model.matmul_precision)
   tr = config.trainer
@@ -352,10 +229,10 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
   # After uneven compile work. Orbax's first barrier, a restore's fingerprints and a warm start run collectives
   # next: the handshake sets up the learner devices' (and the process gathers') gloo contexts first.
   parallel.sync('checkpointer', meshes=(mesh,))
-  ckpt = checkpoint_lib.Checkpointer.from_config(config)
+  ckpt = checkpoint_lib.Checkpointer.from_settings(checkpoint_lib.CheckpointConfig.from_config(config))
   start = 0
   if ckpt.latest_step() is not None:
-    start = restore_checkpoint(ckpt, learner, config, prompts)
+    start = checkpoint_lib.restore_checkpoint(ckpt, learner, config, prompts, defaults=config_lib.defaults())
 
   # ---- Supervised warm start (config.sft, sao_jax/sft.py): a fresh run only, before the actors start.
   # Its metrics (eval accuracy before / after it, losses) go into the step-0 row and the run summary.
@@ -445,7 +322,7 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
 
   # ---- Loop.
   writer = metrics_lib.MetricsWriter(config.workdir, resume_step=start, tensorboard=bool(tr.tensorboard),
-                                     wandb_project=str(tr.wandb_project), config=_flat(config))
+                                     wandb_project=str(tr.wandb_project), config=checkpoint_lib.flat_config(config))
   progress = metrics_lib.Progress(int(tr.num_steps), start_step=start)
   # `time/wall_s` of a row: seconds since the run began, summed over a resumed run's earlier processes (the last
   # kept row's value carries on), so curves can be drawn against wall time across a kill and resume; so do the
@@ -574,9 +451,9 @@ def _run(config: Any, stop: _StopFlag) -> dict[str, Any]:
       else:
         progress.line(step, row)
       if tr.checkpoint_every and step % int(tr.checkpoint_every) == 0:
-        save_checkpoint(ckpt, learner, model_config, config, prompts)
-    if tr.checkpoint_every and step > start and step not in ckpt.all_steps():
-      save_checkpoint(ckpt, learner, model_config, config, prompts)  # The last step, or where a signal stopped.
+        checkpoint_lib.save_checkpoint(ckpt, learner, model_config, config, prompts)
+    if tr.checkpoint_every and step > start and step not in ckpt.all_steps():  # The last step, or a signal's.
+      checkpoint_lib.save_checkpoint(ckpt, learner, model_config, config, prompts)
   finally:
     queue.close()
     for th in threads:

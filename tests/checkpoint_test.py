@@ -1,4 +1,5 @@
-"""Tests of sao_jax.checkpoint: bit-exact round trips, keep-N, step selection, sharded restore, load_policy."""
+"""Tests of sao_jax.checkpoint: bit-exact round trips, keep-N, step selection, sharded restore, load_policy, and
+the run config's diff on resume."""
 
 import functools
 import json
@@ -150,7 +151,9 @@ class CheckpointTest(absltest.TestCase):
 
   def test_keep_from_config_and_errors(self):
     config = ml_collections.ConfigDict({'workdir': self.dir, 'trainer': {'keep_checkpoints': 1}})
-    with checkpoint.Checkpointer.from_config(config, async_save=False) as ckpt:
+    settings = checkpoint.CheckpointConfig.from_config(config)
+    self.assertEqual(settings, checkpoint.CheckpointConfig(os.path.join(self.dir, 'checkpoints'), keep=1))
+    with checkpoint.Checkpointer.from_settings(settings, async_save=False) as ckpt:
       self.assertEqual(ckpt.directory, os.path.join(self.dir, 'checkpoints'))
       ckpt.save(_state(1))
       ckpt.save(_state(2))
@@ -161,7 +164,7 @@ class CheckpointTest(absltest.TestCase):
         ckpt.save(checkpoint.CheckpointState(step=3, policy={'w': jnp.ones(2)}, data={'x': object()}))
     config.trainer.keep_checkpoints = 0
     with self.assertRaisesRegex(config_lib.ConfigError, 'config.trainer.keep_checkpoints'):
-      checkpoint.Checkpointer.from_config(config)
+      checkpoint.CheckpointConfig.from_config(config)
     with self.assertRaisesRegex(FileNotFoundError, 'No checkpoint'):
       checkpoint.Checkpointer(os.path.join(self.dir, 'empty')).restore()
 
@@ -242,6 +245,31 @@ def _empty_step_dir(step_dir: str) -> None:
   for name in os.listdir(step_dir):
     path = os.path.join(step_dir, name)
     shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+
+
+class ConfigDiffTest(absltest.TestCase):
+
+  def test_a_resume_accepts_knobs_added_since_at_their_default(self):
+    """A checkpoint written before a knob existed resumes when the knob is at its `configs/base.py` default
+    (which keeps the old behaviour); set to anything else, or a knob that changed or went away, is named."""
+    config, defaults = base.get_config(), config_lib.defaults()
+    saved = checkpoint.flat_config(config)
+    self.assertEqual(checkpoint.config_differences(saved, config, defaults), [])
+    older = {k: v for k, v in saved.items() if k != 'sampler.compile_ahead'}  # Written before the knob.
+    self.assertEqual(checkpoint.config_differences(older, config, defaults), [])
+    config.sampler.compile_ahead = True
+    self.assertEqual(checkpoint.config_differences(older, config, defaults), ['sampler.compile_ahead'])
+    self.assertEqual(checkpoint.config_differences({**saved, 'sampler.gone': 1}, config, defaults),
+                     ['sampler.compile_ahead', 'sampler.gone'])
+    config.sampler.compile_ahead = False
+    self.assertEqual(checkpoint.config_differences({**older, 'algo.eps_high': 9.0}, config, defaults),
+                     ['algo.eps_high'])
+
+  def test_resumable_changes_are_not_differences(self):
+    config = base.get_config()
+    saved = checkpoint.flat_config(config)
+    config.workdir, config.trainer.num_steps, config.seed = '/elsewhere', 7, 3
+    self.assertEqual(checkpoint.config_differences(saved, config, config_lib.defaults()), ['seed'])
 
 
 class CorruptCheckpointTest(parameterized.TestCase):

@@ -1,6 +1,7 @@
 """The one config check (`config_lib.validate`) and the algorithm presets (`learner.algo`).
 
-Every leaf of `configs/base.py` has a check; every bad config measured on main is refused naming its field;
+Every leaf of `configs/base.py` has a type (its default's) and only its leaves are fields; every bad config
+measured on main is refused naming its field;
 each algorithm name resolves to its own settings, and a changed defining setting is a recorded ablation.
 """
 
@@ -9,6 +10,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Mapping
 
 import jax
 import ml_collections
@@ -76,16 +78,26 @@ _WRONG = {bool: 'yes', int: 1.5, float: 'x', str: 3, tuple: 3}
 
 class FieldTableTest(parameterized.TestCase):
 
-  def test_every_leaf_of_base_has_a_check_and_every_check_a_leaf(self):
+  def test_the_field_types_are_the_leaves_of_base(self):
+    types = config_lib.field_types()
+    self.assertEqual(list(types), config_lib.leaf_paths(base.get_config()))
+    self.assertContainsSubset(set(types.values()), {bool, int, float, str, tuple, Mapping})
+    self.assertIs(types['task.kwargs'], Mapping)  # Owned by the task: one field, its keys checked by the task.
+    self.assertIs(types['algo.eps_low'], float)  # A placeholder carries its type.
+    self.assertIs(types['algo.group_std_normalize'], bool)
+    self.assertIs(types['mesh.rules'], tuple)
+
+  def test_every_condition_and_resumable_change_names_a_leaf_of_base(self):
     leaves = set(config_lib.leaf_paths(base.get_config()))
-    self.assertEmpty(leaves - set(config_lib.FIELDS), 'fields of configs/base.py without a check')
-    self.assertEmpty(set(config_lib.FIELDS) - leaves, 'checks of fields that configs/base.py does not have')
+    self.assertEmpty(set(config_lib.FIELDS) - leaves, 'conditions on fields that configs/base.py does not have')
+    self.assertEmpty(set(checkpoint.RESUMABLE_CHANGES) - leaves,
+                     'resumable changes of fields that configs/base.py does not have')
 
   def test_every_field_refuses_a_value_of_the_wrong_type(self):
     resolved = config_lib.validate(base.get_config(), log=False)
-    for path, check in config_lib.FIELDS.items():
+    for path, kind in config_lib.field_types().items():
       c = _loose(resolved)
-      _set(c, path, _WRONG.get(check.kind, 3))
+      _set(c, path, _WRONG.get(kind, 3))
       if path == 'algo.ablations':  # An output of the check: recomputed, whatever was there.
         self.assertEqual(config_lib.validate(c, log=False).algo.ablations, ())
         continue
@@ -94,7 +106,7 @@ class FieldTableTest(parameterized.TestCase):
 
   def test_every_float_field_refuses_inf_and_nan(self):
     resolved = config_lib.validate(base.get_config(), log=False)
-    floats = [p for p, check in config_lib.FIELDS.items() if check.kind is float]
+    floats = [p for p, kind in config_lib.field_types().items() if kind is float]
     self.assertGreater(len(floats), 20)
     for path in floats:
       for bad in (math.inf, -math.inf, math.nan):
@@ -113,6 +125,24 @@ class FieldTableTest(parameterized.TestCase):
     c = base.get_config()
     c.algo.new_knob = 1
     with self.assertRaisesRegex(ConfigError, r'config\.algo\.new_knob is not a known field'):
+      config_lib.validate(c, log=False)
+    c = base.get_config()
+    c.new_section = ml_collections.ConfigDict({'knob': 1.0})
+    with self.assertRaisesRegex(ConfigError, r'config\.new_section\.knob is not a known field'):
+      config_lib.validate(c, log=False)
+
+  def test_a_float_field_takes_an_int_and_a_tuple_field_a_list(self):
+    c = _loose(config_lib.validate(base.get_config(), log=False))
+    c.algo.eps_high, c.trainer.seq_buckets = 2, [128, 256, 512, 1024]
+    config_lib.validate(c, log=False)
+    c.trainer.seq_buckets = 'x'
+    with self.assertRaisesRegex(ConfigError, r'config\.trainer\.seq_buckets=.x. has type str; expected tuple'):
+      config_lib.validate(c, log=False)
+
+  def test_task_kwargs_is_one_field_checked_by_the_task(self):
+    c = _loose(config_lib.validate(base.get_config(), log=False))
+    c.task.kwargs = 3
+    with self.assertRaisesRegex(ConfigError, r'config\.task\.kwargs=3 has type int; expected Mapping'):
       config_lib.validate(c, log=False)
 
   @parameterized.parameters('base', 'arith', 'calculator', 'code', 'drift', 'imo', 'math')
@@ -283,7 +313,7 @@ class BadConfigTest(parameterized.TestCase):
     c = base.get_config()
     c.trainer.keep_checkpoints = 0
     with self.assertRaisesRegex(ConfigError, r'config\.trainer\.keep_checkpoints=0'):
-      checkpoint.Checkpointer.from_config(c, directory=tempfile.mkdtemp())
+      checkpoint.CheckpointConfig.from_config(c, directory=tempfile.mkdtemp())
     c = base.get_config()
     c.trainer.policy_epochs = 0
     with self.assertRaisesRegex(ConfigError, r'config\.trainer\.policy_epochs=0'):

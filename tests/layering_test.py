@@ -32,7 +32,7 @@ ALLOWED = {
     'models': {'errors', 'structs', 'losses', 'parallel', 'tokenizers'},
     'generate': {'errors', 'structs', 'parallel', 'models'},
     'metrics': {'errors', 'parallel'},
-    'checkpoint': {'errors', 'structs', 'models', 'parallel'},
+    'checkpoint': {'errors', 'structs', 'models', 'parallel', 'learner'},  # contents: a learner's checkpoint.
     'rollout': _BASE | {'envs', 'models', 'parallel', 'generate'},
     'learner': _BASE | {'models', 'parallel'},
     'config_lib': _BELOW_LOOP,

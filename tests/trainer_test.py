@@ -100,21 +100,6 @@ class TrainerTest(absltest.TestCase):
     for key in ('reward_mean', 'learner/policy/loss', 'learner/critic/loss'):
       np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
-  def test_a_resume_accepts_knobs_added_since_at_their_default(self):
-    """A checkpoint written before a knob existed resumes when the knob is at its `configs/base.py` default
-    (which keeps the old behaviour); set to anything else, or a knob that changed or went away, is named."""
-    config = tiny_config(tempfile.mkdtemp(), mode='sync')
-    saved = trainer._flat(config)
-    self.assertEqual(trainer.config_differences(saved, config), [])
-    older = {k: v for k, v in saved.items() if k != 'sampler.fuse_admissions'}  # Written before the knob.
-    self.assertEqual(trainer.config_differences(older, config), [])
-    config.sampler.fuse_admissions = True
-    self.assertEqual(trainer.config_differences(older, config), ['sampler.fuse_admissions'])
-    self.assertEqual(trainer.config_differences({**saved, 'sampler.gone': 1}, config),
-                     ['sampler.fuse_admissions', 'sampler.gone'])
-    config.sampler.fuse_admissions = False
-    self.assertEqual(trainer.config_differences({**older, 'algo.eps_high': 9.0}, config), ['algo.eps_high'])
-
   def test_async_run_respects_the_staleness_bound(self):
     workdir = tempfile.mkdtemp()
     summary = trainer.run(tiny_config(workdir, mode='async', num_steps=3, max_staleness=1, queue_size=16,

@@ -233,7 +233,7 @@ def _compare(item: str, got: dict[str, list[Any]], want: dict[str, list[Any]]) -
 
 
 def check_config(config: Any, *, need_workdir: bool = True) -> None:
-  """The checkpointer's checks (run by `Checkpointer.from_config` and by `sao_jax.config_lib.validate`).
+  """The checkpointer's checks (run by `CheckpointConfig.from_config` and by `sao_jax.config_lib.validate`).
 
   `config.trainer.keep_checkpoints >= 1`; with `need_workdir`, a `config.workdir` that is set and is not a file.
 
@@ -249,6 +249,26 @@ def check_config(config: Any, *, need_workdir: bool = True) -> None:
                         'config.trainer.checkpoint_every=0).')
     if os.path.exists(config.workdir) and not os.path.isdir(config.workdir):
       raise ConfigError(f'config.workdir={config.workdir!r} exists and is not a directory.')
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """A run's checkpointer settings, read from its config once (`from_config`).
+
+  Attributes:
+    directory: where step directories go (`<config.workdir>/checkpoints` unless another directory is given).
+    keep: checkpoints kept on disk (`config.trainer.keep_checkpoints`).
+  """
+  directory: str
+  keep: int
+
+  @classmethod
+  def from_config(cls, config: Any, directory: str | None = None) -> CheckpointConfig:
+    """The settings of `config` after `check_config` (a `config.workdir` is needed unless `directory` is given)."""
+    check_config(config, need_workdir=directory is None)
+    if directory is None:
+      directory = os.path.join(config.workdir, 'checkpoints')
+    return cls(directory=directory, keep=int(config.trainer.keep_checkpoints))
 
 
 class Checkpointer:
@@ -278,13 +298,9 @@ class Checkpointer:
     self._closed = False
 
   @classmethod
-  def from_config(cls, config: Any, directory: str | None = None, **kwargs) -> Checkpointer:
-    """A checkpointer in `directory` (default `<config.workdir>/checkpoints`) keeping
-    `config.trainer.keep_checkpoints` checkpoints."""
-    check_config(config, need_workdir=directory is None)
-    if directory is None:
-      directory = os.path.join(config.workdir, 'checkpoints')
-    return cls(directory, keep=int(config.trainer.keep_checkpoints), **kwargs)
+  def from_settings(cls, settings: CheckpointConfig, **kwargs) -> Checkpointer:
+    """A checkpointer in `settings.directory` keeping `settings.keep` checkpoints (`kwargs`: the constructor's)."""
+    return cls(settings.directory, keep=settings.keep, **kwargs)
 
   def _remove_interrupted_saves(self) -> None:
     """Deletes the temporary directories that interrupted saves left (process 0; before the manager starts)."""
