@@ -288,51 +288,42 @@ def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens
   return hidden, new_cache
 
 
-def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache | tuple[DecodeCache, ...],
-                  tokens: Array, active: Array, chunk_rows: Array | None = None, chunk: Array | None = None,
-                  chunk_valid: Array | None = None, *, window: int | None = None,
-                  chunk_window: int | None = None) -> tuple[Array, Array | None, DecodeCache | tuple[DecodeCache, ...]]:
+def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens: Array, active: Array,
+                  chunk_rows: Array | None = None, chunk: Array | None = None, chunk_valid: Array | None = None, *,
+                  window: int | None = None, chunk_window: int | None = None
+                  ) -> tuple[Array, Array | None, DecodeCache]:
   """One decode step of R rows, optionally fused with chunks written into some of them, in one pass over the
-  weights; the rows may be split into groups that each attend over a window of their own.
+  weights.
 
-  The continuous sampler's decode step (`sao_jax.generate.slots`): the R decode tokens and the P x T chunk
-  tokens go through every projection and MLP as one `[D, R + P T]` block (on a CPU, a step's cost is mostly
-  reading the weights, so the chunk rides along for its extra FLOPs), and each part attends with its own
+  The slot engine's step that starts a queued episode (`sao_jax.generate.programs`): the R decode tokens and the
+  P x T chunk tokens go through every projection and MLP as one `[D, R + P T]` block (on a CPU, a step's cost is
+  mostly reading the weights, so the chunk rides along for its extra FLOPs), and each part attends with its own
   kernel: single-token attention for the decode rows, chunk attention for the chunks.
-
-  **Row groups.** `cache` may be a tuple of caches: the R rows are their rows in order (group g holds rows
-  `[o_g, o_g + R_g)`), each group with its own slot count, so a step's attention reads `sum_g R_g S_g` slots
-  instead of `R max_g S_g` (rows of short histories in a short cache, the few long ones in a long one:
-  docs/benchmarks/rollout.md). The projections and MLPs still run once over all rows.
 
   Args:
     cfg: model config (static).
     weights: `decode_weights(model)`.
-    cache: a slot-major cache of R rows (`per_row_index=True`), or a tuple of them (groups, see above).
+    cache: a slot-major cache of R rows (`per_row_index=True`).
     tokens: int32 `[R]`: each row's next token, written at its `index` where `active`.
     active: bool `[R]`: rows that decode (inactive rows write a hole and do not advance).
     chunk_rows: int32 `[P]`: the rows (in `[0, R)`) the chunks are written into, at their `index`; R marks a
       padding entry (nothing written). A chunk's row must not be `active`, and rows must be distinct. None
       (with `chunk` and `chunk_valid`): a plain decode step.
     chunk: int32 `[P, T]`, right-padded; `chunk_valid` bool `[P, T]` marks the real tokens.
-    window: static; attend only over slots `[0, window)` of every group (needs `index + 1` and `index + T`
-      inside it).
+    window: static; attend only over slots `[0, window)` (needs `index + 1` and `index + T` inside it).
     chunk_window: static; the chunks attend only over (and are written only into) slots `[0, chunk_window)`
       of their rows (needs each chunk row's `index + T` inside it): a chunk that starts a new episode in a
-      row of a long window reads its prompt's slots, not the window's (the continuous sampler's queue).
+      row of a long window reads its prompt's slots, not the window's.
 
   Returns:
     `(hidden, chunk_hidden, new_cache)`: final-norm hidden states `[D, R]` of the decode tokens and `[D, P]` of
-    each chunk's last real token (None without chunks); the cache (the same structure as `cache`) with
-    `index` and `positions` advanced by one on active rows and by the chunk's real tokens on chunk rows. The
-    same function as `forward` on the decode rows and on the chunks (tests compare them).
+    each chunk's last real token (None without chunks); the cache with `index` and `positions` advanced by one
+    on active rows and by the chunk's real tokens on chunk rows. The same function as `forward` on the decode
+    rows and on the chunks (tests compare them).
   """
-  groups = cache if isinstance(cache, tuple) else (cache,)
-  sizes = [grp.batch_size for grp in groups]
-  offsets = np.cumsum([0] + sizes).tolist()
   r, = tokens.shape
-  if offsets[-1] != r:
-    raise ValueError(f'forward_mixed: {r} tokens for cache groups of {sizes} rows.')
+  if cache.batch_size != r:
+    raise ValueError(f'forward_mixed: {r} tokens for a cache of {cache.batch_size} rows.')
   chunk_rows = jnp.zeros((0,), jnp.int32) if chunk_rows is None else chunk_rows
   p, t = (0, 1) if chunk is None else chunk.shape
   chunk = jnp.zeros((p, t), jnp.int32) if chunk is None else chunk
@@ -342,43 +333,33 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
   chex.assert_shape(chunk_valid, (p, t))
   n, kh, g, h = cfg.num_heads, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
   dt = jnp.dtype(cfg.dtype)
-  windows = [grp.max_len if window is None else min(window, grp.max_len) for grp in groups]
-  chunk_windows = [w if chunk_window is None else min(chunk_window, w) for w in windows]
+  w = cache.max_len if window is None else min(window, cache.max_len)
+  cw = w if chunk_window is None else min(chunk_window, w)
   active = active.astype(bool)
-  index = jnp.concatenate([grp.index for grp in groups])  # [R]
-  positions = jnp.concatenate([grp.positions for grp in groups])
   rows_of = lambda x: jnp.take(x, chunk_rows, axis=0, mode='clip')  # The chunks' rows (padding: any row).
-  chunk_index = rows_of(index)
-  chunk_pos = default_positions(chunk_valid, p, t, rows_of(positions))  # [P, T]
-  cos_d, sin_d = rope_tables(positions[:, None], rope_inv_freq(cfg))
+  chunk_index = rows_of(cache.index)
+  chunk_pos = default_positions(chunk_valid, p, t, rows_of(cache.positions))  # [P, T]
+  cos_d, sin_d = rope_tables(cache.positions[:, None], rope_inv_freq(cfg))
   cos_c, sin_c = rope_tables(chunk_pos, rope_inv_freq(cfg))
-  # A chunk's row in group j: its row there (the group's row count where it is in another group: dropped).
-  local = [jnp.where((chunk_rows >= o) & (chunk_rows < o + s), chunk_rows - o, s) for o, s in zip(offsets, sizes)]
-  in_group = lambda y, j: jnp.take(y, local[j], axis=0, mode='clip')  # Each chunk's row of group j (or any).
   per_row = lambda xs, us, idx, axis: jax.vmap(
       lambda xr, ur, i: jax.lax.dynamic_update_slice_in_dim(xr, ur, i, axis=axis - 1))(xs, us, idx)
 
-  def write(j, x, dec, part, axis):
-    """Group j's decode tokens at each row's index, then the chunks at their rows' index (they overwrite the
-    hole an inactive chunk row's decode token left there)."""
-    x = per_row(x, dec, groups[j].index, axis)
+  def write(x, dec, part, axis):
+    """The decode tokens at each row's index, then the chunks at their rows' index (they overwrite the hole an
+    inactive chunk row's decode token left there)."""
+    x = per_row(x, dec, cache.index, axis)
     if p == 0:
       return x
-    cut = (slice(None),) * (axis - 1) + (slice(0, chunk_windows[j]),)  # The chunks' slots.
-    return x.at[(local[j],) + cut].set(per_row(in_group(x[(slice(None),) + cut], j), part, chunk_index, axis),
-                                      mode='drop')
+    cut = (slice(None),) * (axis - 1) + (slice(0, cw),)  # The chunks' slots.
+    return x.at[(chunk_rows,) + cut].set(per_row(rows_of(x[(slice(None),) + cut]), part, chunk_index, axis),
+                                         mode='drop')
 
-  part = lambda x, j: x[offsets[j]:offsets[j + 1]]
-  slot_valid = [write(j, grp.valid, part(active, j)[:, None], chunk_valid, 1) for j, grp in enumerate(groups)]
-  dec_mask, chunk_mask = [], []
+  slot_valid = write(cache.valid, active[:, None], chunk_valid, 1)
+  slots = jnp.arange(w, dtype=jnp.int32)
+  dec_mask = slot_valid[:, :w] & (slots[None, :] <= cache.index[:, None])  # [R, W]
   chunk_slots = chunk_index[:, None] + jnp.arange(t, dtype=jnp.int32)  # [P, T]
-  for j, (w, cw) in enumerate(zip(windows, chunk_windows)):
-    slots = jnp.arange(w, dtype=jnp.int32)
-    dec_mask.append(slot_valid[j][:, :w] & (slots[None, :] <= groups[j].index[:, None]))  # [R_j, W_j]
-    chunk_mask.append(in_group(slot_valid[j][:, :cw], j)[:, None]
-                      & (slots[None, None, :cw] <= chunk_slots[:, :, None]))  # [P, T, CW_j]
+  chunk_mask = rows_of(slot_valid[:, :cw])[:, None] & (slots[None, None, :cw] <= chunk_slots[:, :, None])
   scale = h ** -0.5
-  m = r + p * t
   f = cfg.mlp_dim
 
   def heads(y, c):  # [c H, M] -> ([R, 1, c, H], [P, T, c, H])
@@ -386,7 +367,7 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
             y[:, r:].reshape(c, h, p, t).transpose(2, 3, 0, 1))
 
   x = jnp.take(weights.embed, jnp.concatenate([tokens, chunk.reshape(p * t)]), axis=0).astype(dt).T  # [D, M]
-  new_k, new_v = [[] for _ in groups], [[] for _ in groups]
+  new_k, new_v = [], []
   for i, lw in enumerate(weights.layers):
     y = rms_norm(x, lw.attn_norm, cfg.norm_eps, axis=0)
     qkv = lw.wqkv @ y
@@ -401,25 +382,23 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
     qc, kc = apply_rope(qc, cos_c, sin_c), apply_rope(kc, cos_c, sin_c)
     kd, vd = kd.transpose(0, 2, 3, 1), vd.transpose(0, 2, 1, 3)
     kc, vc = kc.transpose(0, 2, 3, 1), vc.transpose(0, 2, 1, 3)
-    att_d, att_c = [], jnp.zeros((p, t, kh, g, h), dt)
-    for j, (grp, w, cw) in enumerate(zip(groups, windows, chunk_windows)):
-      kdt, vdt = grp.k[i].dtype, grp.v[i].dtype
-      k_cache = write(j, grp.k[i], part(kd, j).astype(kdt), kc.astype(kdt), 3)
-      v_cache = write(j, grp.v[i], part(vd, j).astype(vdt), vc.astype(vdt), 2)
-      new_k[j].append(k_cache)
-      new_v[j].append(v_cache)
-      att_d.append(_attend_one(part(qd, j).reshape(-1, kh, g, h), k_cache[..., :w], v_cache[:, :, :w], dec_mask[j],
-                               scale))
-      if p:  # Each chunk attends over its own row's group.
-        here = (local[j] < sizes[j])[:, None, None, None, None]
-        att_c = jnp.where(here, _attend_chunk(qc.reshape(p, t, kh, g, h), in_group(k_cache[..., :cw], j),
-                                              in_group(v_cache[:, :, :cw], j), chunk_mask[j], scale), att_c)
-    att = jnp.concatenate([jnp.concatenate(att_d).reshape(r, n * h), att_c.reshape(p * t, n * h)]).T  # [N H, M]
-    x = x + lw.wo @ att
+    k_cache = write(cache.k[i], kd.astype(cache.k[i].dtype), kc.astype(cache.k[i].dtype), 3)
+    v_cache = write(cache.v[i], vd.astype(cache.v[i].dtype), vc.astype(cache.v[i].dtype), 2)
+    new_k.append(k_cache)
+    new_v.append(v_cache)
+    att_d = _attend_one(qd.reshape(-1, kh, g, h), k_cache[..., :w], v_cache[:, :, :w], dec_mask, scale)
+    att = [att_d.reshape(r, n * h)]
+    if p:  # Each chunk attends over its own row.
+      att_c = _attend_chunk(qc.reshape(p, t, kh, g, h), rows_of(k_cache[..., :cw]), rows_of(v_cache[:, :, :cw]),
+                            chunk_mask, scale)
+      att.append(att_c.reshape(p * t, n * h))
+    x = x + lw.wo @ jnp.concatenate(att).T  # [N H, M]
     y = rms_norm(x, lw.mlp_norm, cfg.norm_eps, axis=0)
     gate_up = lw.w_gate_up @ y
     x = x + lw.w_down @ (jax.nn.silu(gate_up[:f]) * gate_up[f:])
   hidden = rms_norm(x[:, :r], weights.final_norm, cfg.norm_eps, axis=0)
+  step = active.astype(jnp.int32)
+  index, positions = cache.index + step, cache.positions + step
   chunk_hidden = None
   if p:
     lengths = jnp.sum(chunk_valid, axis=1, dtype=jnp.int32)  # [P]
@@ -427,15 +406,10 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache |
                                axis=2)[..., 0]
     chunk_hidden = rms_norm(last, weights.final_norm, cfg.norm_eps, axis=0)
     chunk_last = jnp.max(jnp.where(chunk_valid, chunk_pos, -1), axis=-1)
-  step = active.astype(jnp.int32)
-  out = []
-  for j, grp in enumerate(groups):
-    idx, pos = grp.index + part(step, j), grp.positions + part(step, j)
-    if p:
-      idx = idx.at[local[j]].set(chunk_index + lengths, mode='drop')
-      pos = pos.at[local[j]].set(jnp.maximum(rows_of(positions), chunk_last + 1), mode='drop')
-    out.append(DecodeCache(k=tuple(new_k[j]), v=tuple(new_v[j]), valid=slot_valid[j], index=idx, positions=pos))
-  return hidden, chunk_hidden, (tuple(out) if isinstance(cache, tuple) else out[0])
+    index = index.at[chunk_rows].set(chunk_index + lengths, mode='drop')
+    positions = positions.at[chunk_rows].set(jnp.maximum(rows_of(cache.positions), chunk_last + 1), mode='drop')
+  return hidden, chunk_hidden, DecodeCache(k=tuple(new_k), v=tuple(new_v), valid=slot_valid, index=index,
+                                           positions=positions)
 
 
 def last_logits(weights: DecodeWeights, hidden_t: Array) -> Array:

@@ -20,15 +20,14 @@ def _logits(model, tokens):
 class ForwardMixedTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
-      ('plain_tied', {}, False, None),
-      ('bias_qknorm_untied', {'qkv_bias': True, 'qk_norm': True, 'tie_embeddings': False}, False, None),
-      ('row_groups', {}, True, None), ('chunk_window', {}, False, 11), ('row_groups_chunk_window', {}, True, 11))
-  def test_decode_rows_and_chunks_match_the_plain_forward(self, kw, grouped, chunk_window):
+      ('plain_tied', {}, None),
+      ('bias_qknorm_untied', {'qkv_bias': True, 'qk_norm': True, 'tie_embeddings': False}, None),
+      ('chunk_window', {}, 11))
+  def test_decode_rows_and_chunks_match_the_plain_forward(self, kw, chunk_window):
     """Rows 0 and 2 decode a token, row 1 takes a 4-token continuation, row 3 (empty) a 6-token prompt, one
-    chunk entry is padding; every output and every key / value written equals the uncached forward's. Grouped:
-    rows 0-1 in a cache of 12 slots, rows 2-3 in one of 32 (each attends over its own group; a chunk lands in
-    each group). `chunk_window` 11: just row 1's chunk's end (3 + 8 slots); row 2's decode token (at slot 12)
-    still attends over its whole history."""
+    chunk entry is padding; every output and every key / value written equals the uncached forward's.
+    `chunk_window` 11: just row 1's chunk's end (3 + 8 slots); row 2's decode token (at slot 12) still attends
+    over its whole history."""
     cfg = config_lib.get_model_config('tiny', **kw)
     model = llama.Decoder(cfg, rngs=nnx.Rngs(0))
     if cfg.qkv_bias:  # Non-zero biases so the test sees them.
@@ -58,16 +57,8 @@ class ForwardMixedTest(parameterized.TestCase):
         chunk_valid[j, :adds[row]] = True
     mixed = functools.partial(jax.jit(decode.forward_mixed, static_argnums=0,
                                       static_argnames=('window', 'chunk_window')), chunk_window=chunk_window)
-    if grouped:
-      short = decode.resize_cache(jax.tree.map(lambda x: x[:2], cache), 12)
-      groups = (short, jax.tree.map(lambda x: x[2:], cache))
-      hidden, chunk_hidden, (short, long) = mixed(cfg, weights, groups, tokens, active, chunk_rows, chunk,
-                                                  chunk_valid)
-      self.assertEqual((short.max_len, long.max_len), (12, 32))
-      cache = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), decode.resize_cache(short, 32), long)
-    else:
-      hidden, chunk_hidden, cache = mixed(cfg, weights, cache, tokens, active, chunk_rows, chunk, chunk_valid,
-                                          window=16)
+    hidden, chunk_hidden, cache = mixed(cfg, weights, cache, tokens, active, chunk_rows, chunk, chunk_valid,
+                                        window=16)
     got = {i: decode.last_logits(weights, hidden)[i] for i in (0, 2)}
     got.update({3: decode.last_logits(weights, chunk_hidden)[0], 1: decode.last_logits(weights, chunk_hidden)[2]})
     longest = max(len(seq) for seq in seqs)  # Right padding: causal attention, the real positions are unchanged.
