@@ -97,38 +97,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   s.prompt_buckets = (32, 64, 128, 256)  # Prompt lengths are padded up to one of these (bounded compiles).
   s.batch_size = 16  # Prompts generated together in one sampler call.
   s.num_threads = 1  # Host sampler threads (async mode).
-  s.continuous = True  # Actors play through continuous batching (batch_size decode slots refilled as episodes end);
-  # False: static calls of batch_size episodes, turn by turn.
-  s.decode_steps = 16  # Continuous batching: decode steps per device call (newcomers are admitted between calls).
-  s.refill_rows = 0  # Continuous: while episodes wait, a decode call ends once this many slots are free (1: a
-  # slot is refilled at once; more: fewer, larger admissions, each call having a fixed cost; 0: a quarter of the
-  # slots, at least 1).
-  s.prefix_cache = True  # Continuous: new episodes start from the cache of the prompts' shared head (e.g. the chat
-  # template's system prompt; learned from the prompts, at most the largest admission chunk): only the rest is
-  # prefilled. Same tokens either way.
-  s.fuse_admissions = False  # Continuous: an admission of at most the smallest chunk bucket (16) of tokens past the
-  # prefix (a next turn's observation, a prompt's rest), one per call, is written by the decode chunk's first step
-  # instead of a device call of its own (one read of the weights for both). Same tokens either way. Off: its
-  # programs compile ~2x slower, for 0.99-1.12x the rollout speed on SmolLM2 multi-turn (README, Benchmarks).
-  s.device_refill = True  # Continuous: a slot whose episode's last turn ends takes the next waiting episode inside
-  # the decode chunk (its prompt written in the next step, alongside the other slots' decode step), instead of the
-  # chunk ending and the host admitting it: one host round trip per chunk, not per finished episode. Same tokens
-  # either way. Rollouts against static batches (README, Benchmarks): tiny single-turn 1.62x vs 1.03x with host
-  # refills, SmolLM2 single-turn 2.27x vs 1.97x (same runs), SmolLM2 multi-turn 2.15x (1.91x with host refills in
-  # an earlier run). Its decode programs compile ~2x slower (a queue and a take step in the loop).
-  s.queue_chunk = 0  # Continuous, device_refill: the longest prompt (tokens past the shared prefix) a slot can take
-  # inside a decode chunk (longer ones are admitted between chunks); 0: the smallest admission chunk (16). Set it to
-  # the task's prompt length, or device refill takes nothing (a take writes this many tokens beside the decode rows).
-  s.row_groups = False  # Continuous: a decode chunk of R >= 4 slots may run its R/4 longest-history slots at its
-  # attention window and the others at the largest window of at most half of it (one step, two attention groups).
-  # Same tokens either way; more decode programs (one per window and slot-row bucket). Off by default: tiny
-  # single-turn rollout 2.09x static against 1.83x without, SmolLM2 2.62x against 2.52x, one run each (README).
-  # On XLA:CPU every program maps its code: SmolLM2 with device_refill and row_groups (62 slot programs) needs
-  # vm.max_map_count above the default 65530 (README, Benchmarks).
-  s.admission_rows = 'auto'  # Continuous: how the slots admitted together become device calls: 'padded' (one call,
-  # rows padded up to a power of 4: fewest calls), 'exact' (full powers of 4 only, largest first: 7 rows are 4 + 1 +
-  # 1 + 1, no padding row computed) or 'auto' (exact on a CPU when a padding row's chunk costs >= 1 GFLOP, e.g.
-  # SmolLM2-135M, where an admission's cost is its FLOPs; padded on accelerators and for tiny models). Same tokens.
+  s.continuous = True  # Actors play through the slot engine (continuous batching: batch_size decode slots
+  # refilled as episodes end, new episodes started from the prompts' shared-prefix cache and inside decode calls);
+  # False: static calls of batch_size episodes, turn by turn (fewer programs to compile; the demo's choice).
+  s.decode_steps = 16  # Continuous: decode steps per device call (newcomers are admitted between calls).
+  s.refill_rows = 0  # Continuous: while episodes wait, a decode call ends once this many slots are free (1: a slot
+  # is refilled at once; more: fewer, larger admissions; 0: a quarter of the slots, at least 1).
+  s.queue_chunk = 0  # Continuous: the longest prompt (tokens past the shared prefix) a slot takes inside a decode
+  # call (longer ones are admitted between calls); 0: the smallest admission chunk (16). Set it to the task's
+  # prompt length, or slots take no new episode inside a call.
   s.compile_ahead = False  # Continuous: compile every slot program before the first episode (else each at first use).
 
   # ---- Task / environment.

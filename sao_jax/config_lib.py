@@ -36,6 +36,7 @@ from sao_jax import checkpoint
 from sao_jax import parallel
 from sao_jax.envs import registry
 from sao_jax.errors import ConfigError
+from sao_jax.generate.config import WEIGHT_SWITCHES
 from sao_jax.learner import algo as algo_lib
 from sao_jax.learner import optim as optim_lib
 from sao_jax.losses.common import AGGREGATIONS
@@ -44,9 +45,7 @@ from sao_jax.losses.policy import BEHAVIOR_CORRECTIONS
 from sao_jax.losses.policy import CLIP_MODES
 from sao_jax.models import config as model_config_lib
 from sao_jax.models import hf_io
-from sao_jax.generate.slots import ADMISSION_ROWS
 from sao_jax.parallel import distributed
-from sao_jax.rollout.actor import WEIGHT_SWITCHES
 from sao_jax.tokenizers import CharTokenizer
 
 __all__ = ['ConfigError', 'FIELDS', 'defaults', 'field_types', 'leaf_paths', 'validate']
@@ -194,7 +193,6 @@ FIELDS: dict[str, Check] = {
     'sampler.num_threads': _bounds(ge=1),
     'sampler.decode_steps': _bounds(ge=1),
     'sampler.refill_rows': _bounds(ge=0),
-    'sampler.admission_rows': _choice(ADMISSION_ROWS),
     'sampler.queue_chunk': _bounds(ge=0),
     # ---- task (registry.validate_task_config: name, max_turns, eval_size, kwargs by the task's options)
     'task.step_timeout_s': _bounds(ge=0.0, why='0 = no bound.'),

@@ -19,8 +19,8 @@ unbiased pass@k = 1 - C(n-c, k) / C(n, k) for n samples of which c are correct, 
 problems with an env error are counted and left out. Per-problem results go to JSONL (`--output`), the
 summary is printed as a table (and written next to the JSONL as `<output>.summary.json`).
 
-`evaluate(model, tokenizer, task, config, num_samples=..., greedy=...)` is the same run as a function, for the
-trainer's periodic eval.
+`evaluate(model, tokenizer, task, EvalConfig.from_config(config), num_samples=..., greedy=...)` is the same run
+as a function, for the trainer's periodic eval.
 """
 
 from __future__ import annotations
@@ -49,6 +49,19 @@ from sao_jax.tokenizers import Tokenizer
 # An eval run.
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """What an eval run takes from the run's config: the generation settings (default sampling, episodes per call,
+  lengths), the episode limits and the seed episode seeds derive from."""
+  settings: GenerateConfig
+  limits: rollout.EpisodeLimits
+  seed: int = 0
+
+  @classmethod
+  def from_config(cls, config: Any) -> EvalConfig:
+    return cls(GenerateConfig.from_config(config), rollout.EpisodeLimits.from_config(config), int(config.seed))
+
+
 @dataclasses.dataclass
 class EvalRun:
   """Results of `run_eval`: per-problem results (eval-set order) and the summary metrics."""
@@ -56,7 +69,7 @@ class EvalRun:
   summary: dict[str, float]
 
 
-def run_eval(backend: rollout.Backend, tokenizer: Tokenizer, task, config, *, num_samples: int = 0,
+def run_eval(backend: rollout.Backend, tokenizer: Tokenizer, task, config: EvalConfig, *, num_samples: int = 0,
              greedy: bool = True, temperature: float | None = None, top_p: float | None = None,
              top_k: int | None = None, limit: int | None = None, batch_size: int | None = None,
              seed: int | None = None, ks: Sequence[int] | None = None, step_timeout_s: float | None = None,
@@ -67,12 +80,12 @@ def run_eval(backend: rollout.Backend, tokenizer: Tokenizer, task, config, *, nu
     backend: generation backend (`rollout.make_backend(...)` for the static engine).
     tokenizer: the model's tokenizer.
     task: a `sao_jax.envs` task (`get_task(config.task)`).
-    config: the run config (`config.task.max_turns`, `config.sampler.*`, `config.seed`).
+    config: the eval settings (`EvalConfig.from_config(run_config)`).
     num_samples: k, sampled episodes per problem (0 = none).
     greedy: also play one greedy (temperature 0) episode per problem.
-    temperature, top_p, top_k: sampling settings (default `config.sampler.*`).
+    temperature, top_p, top_k: sampling settings (default `config.settings.decoding`).
     limit: evaluate the first `limit` problems only (None = all).
-    batch_size: episodes per sampler call (default `config.sampler.batch_size`).
+    batch_size: episodes per sampler call (default `config.settings.batch_size`).
     seed: sampling seed (default `config.seed`); each episode's seed depends only on (seed, problem, sample).
     ks: the k of pass@k / avg@k (default 1, 2, 4, ... up to num_samples, and num_samples).
     step_timeout_s: wall-clock bound of one env step.
@@ -85,18 +98,17 @@ def run_eval(backend: rollout.Backend, tokenizer: Tokenizer, task, config, *, nu
     raise ValueError(f'num_samples={num_samples} must be >= 0.')
   if not greedy and num_samples == 0:
     raise ValueError('Nothing to evaluate: greedy is off and num_samples is 0.')
-  s = config.sampler
   sampling = dataclasses.replace(
-      SamplingParams.from_config(s), **{k: v for k, v in (('temperature', temperature), ('top_p', top_p),
+      config.settings.decoding, **{k: v for k, v in (('temperature', temperature), ('top_p', top_p),
                                                           ('top_k', top_k)) if v is not None})
   if num_samples and sampling.greedy:
     raise ValueError('num_samples > 0 needs a sampling temperature > 0 (greedy samples would all be equal; '
                      'the greedy episode is played anyway).')
-  batch_size = int(s.batch_size if batch_size is None else batch_size)
+  batch_size = int(config.settings.batch_size if batch_size is None else batch_size)
   if batch_size < 1:
     raise ValueError(f'batch_size={batch_size} must be >= 1.')
   seed = int(config.seed if seed is None else seed)
-  limits = rollout.EpisodeLimits.from_config(config)
+  limits = config.limits
   examples = task.eval_set()
   if limit is not None:
     if limit < 1:
@@ -156,7 +168,7 @@ def run_eval(backend: rollout.Backend, tokenizer: Tokenizer, task, config, *, nu
   return EvalRun(results, summary)
 
 
-def evaluate(model, tokenizer: Tokenizer, task, config, *, num_samples: int = 0, greedy: bool = True,
+def evaluate(model, tokenizer: Tokenizer, task, config: EvalConfig, *, num_samples: int = 0, greedy: bool = True,
              output: str | None = None, sampler=None, backend: rollout.Backend | None = None,
              version: int | None = None, **kwargs: Any) -> dict[str, float]:
   """Evaluates `model` on `task`'s eval set; returns the summary dict (what the trainer logs).
@@ -169,8 +181,8 @@ def evaluate(model, tokenizer: Tokenizer, task, config, *, num_samples: int = 0,
     output: write per-problem results to this JSONL path (and the summary to `<output>.summary.json`).
     sampler: a `Sampler` to reuse (its weights are refreshed from `model`).
     backend: a ready `Backend`; default: a new KV-cache sampler over `model` (which compiles its programs).
-      For periodic evals build `backend = rollout.make_backend(model, tokenizer, task, settings)` once and pass it with
-      the current model each time: its weights are refreshed from `model` and its compiled programs reused.
+      For periodic evals build `backend = rollout.make_backend(model, tokenizer, task, config.settings)` once and
+      pass it with the current model each time: its weights are refreshed from `model`, its programs reused.
     version: policy version of `model` (the learner step), stamped on the trajectories' turns.
     **kwargs: `run_eval` options (temperature, top_p, top_k, limit, batch_size, seed, ks, progress, ...).
 
@@ -181,7 +193,7 @@ def evaluate(model, tokenizer: Tokenizer, task, config, *, num_samples: int = 0,
   if backend is None:
     if model is None:
       raise ValueError('evaluate needs a model (or a backend).')
-    backend = rollout.make_backend(model, tokenizer, task, GenerateConfig.from_config(config), sampler=sampler,
+    backend = rollout.make_backend(model, tokenizer, task, config.settings, sampler=sampler,
                                    batch_size=kwargs.get('batch_size'), version=version)
   elif model is not None and hasattr(backend, 'update_weights'):
     backend.update_weights(model, version=version)
@@ -289,10 +301,10 @@ def main(argv: Sequence[str]) -> None:
   jax.config.update('jax_default_matmul_precision', config.model.matmul_precision)  # As the trainer's run.
   output = f['output'].value or f'eval_{task.name}.jsonl'
   try:
+    settings = EvalConfig.from_config(config)
+    backend = rollout.make_backend(model, tokenizer, task, settings.settings, batch_size=f['batch_size'].value or None)
     run = run_eval(
-        rollout.make_backend(model, tokenizer, task, GenerateConfig.from_config(config),
-                             batch_size=f['batch_size'].value or None), tokenizer,
-        task, config,
+        backend, tokenizer, task, settings,
         num_samples=f['num_samples'].value, greedy=f['greedy'].value, temperature=f['temperature'].value,
         top_p=f['top_p'].value, top_k=f['top_k'].value, limit=f['limit'].value or None,
         batch_size=f['batch_size'].value or None, seed=f['seed'].value)

@@ -183,7 +183,7 @@ class BadConfigTest(parameterized.TestCase):
        'sampler.max_seq_len'),
       ('sampler_batch_0', {'sampler.batch_size': 0}, 'sampler.batch_size'),
       ('refill_rows_negative', {'sampler.refill_rows': -1}, 'sampler.refill_rows'),
-      ('admission_rows', {'sampler.admission_rows': 'some'}, 'sampler.admission_rows'),
+      ('weight_switch', {'trainer.weight_switch': 'some'}, 'trainer.weight_switch'),
       ('icepop_low_gt_high', {'algo.icepop_low': 1.0, 'algo.icepop_high': 1.0}, 'algo.icepop_low'),
       ('icepop_high_lt_1', {'algo.icepop_low': 0.5, 'algo.icepop_high': 0.8}, 'algo.icepop_high'),
       ('num_processes_0', {'distributed.num_processes': 0}, 'distributed.num_processes'),

@@ -59,6 +59,10 @@ def _counts(i, k):
   return i % (k + 1)
 
 
+def _settings(config):
+  return eval_lib.EvalConfig.from_config(config)
+
+
 def _arith_config():
   """configs/arith.py with the `<answer>N</answer>` format that the scripted replies below use."""
   config = arith_config.get_config()
@@ -92,7 +96,7 @@ class EvalScoringTest(parameterized.TestCase):
     gen = ScriptedGenerate(tok, helpers.prompt_index(tok, examples), script)
     backend = rollout.ContextBackend(gen, tok.stop_ids)
     out = os.path.join(tempfile.mkdtemp(), 'sub', 'results.jsonl')
-    summary = eval_lib.evaluate(None, tok, task, config, num_samples=k, greedy=True, backend=backend,
+    summary = eval_lib.evaluate(None, tok, task, _settings(config), num_samples=k, greedy=True, backend=backend,
                                 batch_size=3, output=out, progress=False)
 
     n = len(examples)
@@ -151,7 +155,7 @@ class EvalScoringTest(parameterized.TestCase):
     tok = CharTokenizer()
     gen = ScriptedGenerate(tok, helpers.prompt_index(tok, examples),
                            lambda i, c: (answers.render(examples[i].answer, 'tag'), True))
-    run = eval_lib.run_eval(rollout.ContextBackend(gen, tok.stop_ids), tok, task, config, num_samples=2,
+    run = eval_lib.run_eval(rollout.ContextBackend(gen, tok.stop_ids), tok, task, _settings(config), num_samples=2,
                             progress=False)
     self.assertEqual(run.summary['num_errors'], 1)
     self.assertEqual(run.summary['greedy_accuracy'], 1.0)  # Over the 3 problems without errors.
@@ -167,16 +171,16 @@ class EvalScoringTest(parameterized.TestCase):
     tok = CharTokenizer()
     backend = rollout.ContextBackend(lambda c, n, s: ([tok.eos_id], [0.0]), tok.stop_ids)
     with self.assertRaisesRegex(ValueError, 'Nothing to evaluate'):
-      eval_lib.run_eval(backend, tok, task, config, greedy=False, num_samples=0, progress=False)
+      eval_lib.run_eval(backend, tok, task, _settings(config), greedy=False, num_samples=0, progress=False)
     with self.assertRaisesRegex(ValueError, 'temperature > 0'):
-      eval_lib.run_eval(backend, tok, task, config, num_samples=2, temperature=0.0, progress=False)
+      eval_lib.run_eval(backend, tok, task, _settings(config), num_samples=2, temperature=0.0, progress=False)
     with self.assertRaisesRegex(ValueError, 'limit=0'):
-      eval_lib.run_eval(backend, tok, task, config, limit=0, progress=False)
+      eval_lib.run_eval(backend, tok, task, _settings(config), limit=0, progress=False)
     with self.assertRaisesRegex(ValueError, 'needs a model'):
-      eval_lib.evaluate(None, tok, task, config)
+      eval_lib.evaluate(None, tok, task, _settings(config))
     config.sampler.max_seq_len = 10  # The prompts are 16-17 tokens.
     with self.assertRaisesRegex(ValueError, 'config.sampler.max_seq_len=10'):
-      eval_lib.run_eval(backend, tok, task, config, progress=False)
+      eval_lib.run_eval(backend, tok, task, _settings(config), progress=False)
     with self.assertRaisesRegex(ValueError, 'exactly one of --checkpoint'):
       eval_lib.load_model_and_tokenizer(config, checkpoint=None, hf_model=None)
 
@@ -214,7 +218,7 @@ class EndToEndTest(absltest.TestCase):
       rows.append(len(prompts))
       return generate(prompts, **kwargs)
     backend.sampler.generate = spy
-    run = eval_lib.run_eval(backend, tok, task, config, num_samples=2, greedy=True, batch_size=4,
+    run = eval_lib.run_eval(backend, tok, task, _settings(config), num_samples=2, greedy=True, batch_size=4,
                             progress=False)
     summary = run.summary
     self.assertEqual(summary['num_problems'], 3)
@@ -225,7 +229,7 @@ class EndToEndTest(absltest.TestCase):
     compiled = backend.sampler.num_compiled()
     other = helpers.small_model(tok.vocab_size, seed=7)
     out = os.path.join(tempfile.mkdtemp(), 'again.jsonl')
-    eval_lib.evaluate(other, tok, task, config, backend=backend, batch_size=4, progress=False, output=out)
+    eval_lib.evaluate(other, tok, task, _settings(config), backend=backend, batch_size=4, progress=False, output=out)
     self.assertEqual(backend.sampler.num_compiled(), compiled)
     again = [r.greedy_response for r in evaluation.read_jsonl(out)]
     self.assertNotEqual(again, [r.greedy_response for r in run.results])  # The new weights were used.

@@ -23,7 +23,6 @@ from ml_collections import config_flags
 
 from sao_jax import eval as eval_lib
 from sao_jax import rollout
-from sao_jax.generate.config import GenerateConfig
 from sao_jax.envs import registry
 from sao_jax.models import hf_io
 
@@ -50,8 +49,9 @@ def main(argv):
   print(f'[1] exported to {out} in {time.perf_counter() - t0:.1f}s: {sorted(os.listdir(out))}')
 
   task = registry.get_task(config.task)
-  backend = rollout.make_backend(model, tokenizer, task, GenerateConfig.from_config(config), batch_size=_LIMIT.value)
-  run = eval_lib.run_eval(backend, tokenizer, task, config, limit=_LIMIT.value, batch_size=_LIMIT.value,
+  settings = eval_lib.EvalConfig.from_config(config)
+  backend = rollout.make_backend(model, tokenizer, task, settings.settings, batch_size=_LIMIT.value)
+  run = eval_lib.run_eval(backend, tokenizer, task, settings, limit=_LIMIT.value, batch_size=_LIMIT.value,
                           progress=False)
   print(f'[2] ours: greedy accuracy {run.summary["greedy_accuracy"]:.3f} on {len(run.results)} problems')
 

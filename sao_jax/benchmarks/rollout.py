@@ -239,9 +239,9 @@ def main(argv):
         runs[label].append((wall, tokens, cpu, bandwidth))
         if label != 'static':
           print(f'# {kind} {label} run {r}: {calls["decode_steps"]:.0f} decode steps in {calls["decode_calls"]:.0f} '
-                f'chunks ({calls["queued"]:.0f} episodes started in them), {calls["admit_calls"]:.0f} admission rounds in {calls["admit_programs"]:.0f} device '
-                f'calls; wall s: decode {calls["decode_wall"]:.2f}, admit '
-                f'{calls["admit_wall"]:.2f}, rest {wall - calls["decode_wall"] - calls["admit_wall"]:.2f}; CPU s: '
+                f'chunks ({calls["queued"]:.0f} episodes started in them), {calls["admit_calls"]:.0f} admission '
+                f'rounds in {calls["admit_programs"]:.0f} device calls; wall s: decode {calls["decode_wall"]:.2f}, '
+                f'admit {calls["admit_wall"]:.2f}, rest {wall - calls["decode_wall"] - calls["admit_wall"]:.2f}; CPU s: '
                 f'decode {calls["decode_cpu"]:.2f}, admit {calls["admit_cpu"]:.2f}, rest '
                 f'{cpu - calls["decode_cpu"] - calls["admit_cpu"]:.2f}; page faults: decode '
                 f'{calls["decode_faults"]:.0f}, admit {calls["admit_faults"]:.0f}')

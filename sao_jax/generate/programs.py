@@ -370,6 +370,6 @@ def compiled_programs() -> dict[str, int]:
   """Programs of this process's SlotSamplers together (admit, decode, prefix): the jits' dispatch entries, one
   per compiled program, and one more for a new placement of the same arguments that lowers to a program compiled
   already (tests count lowerings, `tests/rollout/helpers.lowerings`, to tell the two apart)."""
-  return {'admit': admit_program._cache_size(), 'decode': decode_program._cache_size(),  # pylint: disable=protected-access
-          'prefix': prefix_program._cache_size()}  # pylint: disable=protected-access
+  size = lambda program: program._cache_size()  # pylint: disable=protected-access
+  return {'admit': size(admit_program), 'decode': size(decode_program), 'prefix': size(prefix_program)}
 

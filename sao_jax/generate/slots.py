@@ -297,8 +297,8 @@ class SlotSampler:
   def _run_prefix(self, weights: DecodeWeights, tokens: Sequence[int]) -> DecodeCache:
     chunk = np.full((1, self.prefix_slots), self.pad_id, np.int32)
     chunk[0, :len(tokens)] = tokens
-    return self._call(('prefix', self.cfg, self.prefix_slots), programs.prefix_program, self.cfg, self.placement, weights, chunk,
-                      np.arange(self.prefix_slots)[None] < len(tokens))
+    return self._call(('prefix', self.cfg, self.prefix_slots), programs.prefix_program, self.cfg, self.placement,
+                      weights, chunk, np.arange(self.prefix_slots)[None] < len(tokens))
 
   # ---- The shared prefix.
 

@@ -258,8 +258,8 @@ class Sampler:
     version: policy version of `model`'s weights.
   """
 
-  def __init__(self, model: nnx.Module | WeightsSource, *, stop_ids: Sequence[int] | None = None, pad_id: int | None = None,
-               prompt_buckets: Sequence[int] | None = None, min_new_bucket: int = 16,
+  def __init__(self, model: nnx.Module | WeightsSource, *, stop_ids: Sequence[int] | None = None,
+               pad_id: int | None = None, prompt_buckets: Sequence[int] | None = None, min_new_bucket: int = 16,
                bucket_batch: bool = True, version: int = 0):
     self.cfg: ModelConfig = model.cfg
     self.stop_ids = tuple(int(i) for i in (self.cfg.eos_ids if stop_ids is None else stop_ids))
