@@ -21,6 +21,7 @@ from configs import base
 from sao_jax import checkpoint
 from sao_jax import config_lib
 from sao_jax import parallel
+from sao_jax.checkpoint import contents as checkpoint_contents
 from sao_jax.models.config import get_model_config
 from sao_jax.models.llama import Decoder
 from tests import multiprocess
@@ -264,6 +265,16 @@ class ConfigDiffTest(absltest.TestCase):
     config.sampler.compile_ahead = False
     self.assertEqual(checkpoint.config_differences({**older, 'algo.eps_high': 9.0}, config, defaults),
                      ['algo.eps_high'])
+
+  def test_a_resume_ignores_removed_knobs_that_changed_no_token(self):
+    """A checkpoint written while `sampler.fuse_admissions` (and the other speed-only knobs) existed resumes at any
+    of their values; another field gone from the config is still named."""
+    config, defaults = base.get_config(), config_lib.defaults()
+    self.assertEmpty(set(checkpoint_contents.REMOVED_KNOBS) & set(checkpoint.flat_config(config)))  # Removed indeed.
+    saved = {**checkpoint.flat_config(config), 'sampler.fuse_admissions': True, 'sampler.row_groups': True,
+             'sampler.admission_rows': 'padded', 'sampler.device_refill': False, 'sampler.prefix_cache': False}
+    self.assertEqual(checkpoint.config_differences(saved, config, defaults), [])
+    self.assertEqual(checkpoint.config_differences({**saved, 'sampler.gone': 1}, config, defaults), ['sampler.gone'])
 
   def test_resumable_changes_are_not_differences(self):
     config = base.get_config()

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 RESUMABLE_CHANGES = ('workdir', 'trainer.num_steps', 'trainer.allow_config_change', 'trainer.log_every',
                      'trainer.eval_every', 'trainer.checkpoint_every', 'trainer.export_hf',
                      'distributed.coordinator_address', 'distributed.process_id')  # Per process / per launch.
+# Knobs removed from `configs/base.py` that a checkpoint may still hold. Each changed how fast the actors ran,
+# never which tokens they generated (tests compared the tokens both ways), so a saved value is no difference.
+REMOVED_KNOBS = ('sampler.fuse_admissions', 'sampler.row_groups', 'sampler.admission_rows',
+                 'sampler.device_refill', 'sampler.prefix_cache')
 
 
 def flat_config(config: Any) -> dict[str, Any]:
@@ -54,14 +58,16 @@ def flat_config(config: Any) -> dict[str, Any]:
 
 def config_differences(saved: dict[str, Any], config: Any, defaults: Any) -> list[str]:
   """Fields (dotted paths) whose value differs between a saved flat config and `config`, minus the
-  fields a resume may change (`RESUMABLE_CHANGES`) and the knobs added since the checkpoint was written
+  fields a resume may change (`RESUMABLE_CHANGES`), the knobs added since the checkpoint was written
   that are at their default in `defaults` (`configs/base.py`'s config, `config_lib.defaults()`: a new knob's
-  default keeps the behaviour from before it: the rule for every knob added to `configs/base.py`)."""
+  default keeps the behaviour from before it: the rule for every knob added to `configs/base.py`), and the
+  knobs removed since that changed no generated token (`REMOVED_KNOBS`)."""
   now, defaults = flat_config(config), flat_config(defaults)
   keys = sorted(set(saved) | set(now))
   added_at_default = lambda k: k not in saved and k in defaults and now.get(k) == defaults[k]
-  return [k for k in keys
-          if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k) and not added_at_default(k)]
+  removed = lambda k: k in REMOVED_KNOBS and k not in now
+  return [k for k in keys if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k)
+          and not added_at_default(k) and not removed(k)]
 
 
 def _optimizer_item(state: state_lib.LearnerState) -> dict[str, Any]:
