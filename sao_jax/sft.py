@@ -191,8 +191,8 @@ def _reset_critic(learner: Learner) -> None:
   if learner.critic_spec is None:
     return
   spec = learner.critic_spec
-  critic = learner_lib.default_critic(learner.policy_model(), int(learner.config.seed) + 1)
-  _, ts, _ = state_lib.create_train_state(critic, spec.tx, learner.mesh, learner.config.mesh.rules,
+  critic = learner_lib.default_critic(learner.policy_model(), learner.settings.seed + 1)
+  _, ts, _ = state_lib.create_train_state(critic, spec.tx, learner.mesh, learner.settings.rules,
                                           trainable=spec.trainable)
   learner.state = learner.state.replace(critic=ts)
 

@@ -58,7 +58,7 @@ from sao_jax import rollout
 from sao_jax import sft
 from sao_jax.envs import registry
 from sao_jax.errors import ConfigError
-from sao_jax.learner import Learner
+from sao_jax.learner import Learner, LearnerConfig
 from sao_jax.generate.sampling import SamplingParams
 from sao_jax.rollout import actor as actor_lib
 from sao_jax.rollout import prompts as prompts_lib
@@ -206,7 +206,7 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
   if tokenizer.vocab_size > model_config.vocab_size:
     raise ConfigError(f'config.model: the tokenizer has {tokenizer.vocab_size} tokens but the model only '
                       f'{model_config.vocab_size} embeddings (config.model.tokenizer={config.model.tokenizer!r}).')
-  learner = Learner(config, policy=policy, mesh=mesh, model_config=model_config)
+  learner = Learner(LearnerConfig.from_config(config), policy=policy, mesh=mesh, model_config=model_config)
   cfg = learner.step_config
   group_size = cfg.group_size
   if int(tr.batch_size) % (jax.process_count() * group_size):

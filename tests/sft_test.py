@@ -15,7 +15,7 @@ from sao_jax import parallel
 from sao_jax import rollout
 from sao_jax import sft
 from sao_jax.envs import registry
-from sao_jax.learner import Learner
+from sao_jax.learner import Learner, LearnerConfig
 from sao_jax.models import Decoder, get_model_config
 from sao_jax.tokenizers import CharTokenizer
 
@@ -103,7 +103,8 @@ class SftTest(absltest.TestCase):
 
   def test_warm_start_updates_the_policy_and_rebuilds_the_critic_from_it(self):
     config = self.config
-    learner = Learner(config, policy=Decoder(MODEL, rngs=nnx.Rngs(0)), mesh=self.mesh, model_config=MODEL)
+    learner = Learner(LearnerConfig.from_config(config), policy=Decoder(MODEL, rngs=nnx.Rngs(0)), mesh=self.mesh,
+                      model_config=MODEL)
     before = jax.tree.map(np.asarray, nnx.state(learner.policy_model(), nnx.Param))
     opt_before = jax.tree.map(np.asarray, learner.state.policy.opt_state)
     out = sft.warm_start(learner, self.task, self.tok, config, evaluate=False)

@@ -31,10 +31,10 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from configs import base
+from sao_jax import config_lib
 from sao_jax import parallel
 from sao_jax.benchmarks.common import matmul_peak
-from sao_jax.learner import Learner
+from sao_jax.learner import Learner, LearnerConfig
 from sao_jax.models import Decoder, get_model_config
 from sao_jax.structs import Batch
 
@@ -66,7 +66,7 @@ def synthetic_batch(rows: int, seq: int, prompt: int, vocab: int, group: int, se
 
 
 def _config(algo: str, rows: int, group: int, devices: int):
-  c = base.get_config()
+  c = config_lib.defaults()
   c.algo.name = algo
   c.trainer.batch_size = rows
   c.trainer.microbatch_size = _MICRO.value
@@ -83,7 +83,8 @@ def _config(algo: str, rows: int, group: int, devices: int):
 
 def time_program(config, policy, batch, steps: int, devices) -> tuple[float, float, dict]:
   """(compile + first step seconds, median step seconds, last metrics) of one learner program."""
-  learner = Learner(config, policy=policy, mesh=parallel.make_mesh(config.mesh, devices=devices))
+  learner = Learner(LearnerConfig.from_config(config), policy=policy,
+                    mesh=parallel.make_mesh(config.mesh, devices=devices))
   t0 = time.perf_counter()
   learner.update(batch)
   first = time.perf_counter() - t0

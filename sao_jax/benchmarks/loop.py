@@ -35,7 +35,7 @@ from absl import flags
 import jax
 import numpy as np
 
-from configs import base as base_config
+from sao_jax import config_lib
 from sao_jax import metrics as metrics_lib
 from sao_jax import models
 from sao_jax import rollout
@@ -81,7 +81,7 @@ def bench_config(setting: str, *, quick: bool = False, threads: int = 1, batch: 
   sync mode keeps its static calls. `actor_devices`: `config.mesh.actor_devices` (every setting)."""
   if setting not in SETTINGS:
     raise ValueError(f'setting={setting!r} is not one of {SETTINGS}')
-  c = base_config.get_config()
+  c = config_lib.defaults()
   c.workdir = workdir
   c.model.name = 'tiny'
   c.task.name = 'latency'

@@ -1,11 +1,11 @@
 """The learner: sharded train states and the jitted SAO / GRPO-family update, driven from the host.
 
-    learner = Learner(config, policy=lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
+    learner = Learner(LearnerConfig.from_config(config), policy=lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
     metrics = learner.update(batch)        # a `sao_jax.structs.Batch` (numpy or jax), one learner step
     params = learner.policy_state()        # to publish to the sampler
 
 The update is one `jax.jit` program with explicit in/out shardings (derived from the models' logical
-axes and `config.mesh.rules`) and the learner state donated, so parameters and optimizer states are updated in
+axes and the mesh rules) and the learner state donated, so parameters and optimizer states are updated in
 place. The step's numbers (ratio band, lambdas, gamma, coefficients, critic warmup, learning rates and their
 schedules, AdamW's betas: `Learner.hparams`) are inputs of that program, not constants compiled into it: configs,
 ablations and sweeps that change only numbers share one compiled update. On several processes each one passes its
@@ -80,28 +80,62 @@ def check_groups(group_ids: np.ndarray, row_mask: np.ndarray, group_size: int) -
                        'each prompt\'s config.algo.group_size rollouts in consecutive rows.')
 
 
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+  """What the learner reads of a run's config, read once (`from_config`), its algorithm's preset filled in.
+
+  Attributes:
+    step: the update step's settings (`algo.StepConfig`).
+    optim: the optimizers' settings (`optim.OptimConfig`).
+    horizons: (policy, critic) optimizer updates in the run (`optim.optimizer_horizons`): the cosine schedules'
+      horizons when `optim.total_steps` is 0.
+    batch_size: trajectories per learner step (`config.trainer.batch_size`).
+    mesh: the learner mesh's axis sizes (`config.mesh`'s data, fsdp, tensor): the default mesh over all devices.
+    rules: logical axis name -> mesh axes (`config.mesh.rules`).
+    seed: `config.seed` (the default critic's head is initialised from `seed + 1`).
+  """
+  step: algo_lib.StepConfig
+  optim: optim_lib.OptimConfig
+  horizons: tuple[int, int]
+  batch_size: int
+  mesh: tuple[tuple[str, int], ...]
+  rules: tuple[Any, ...]
+  seed: int
+
+  @classmethod
+  def from_config(cls, config: Any) -> LearnerConfig:
+    """The learner's settings of `config` (`algo`, `optim`, `trainer`, `mesh`, `seed`), after the algorithm's and
+    the optimizer's checks."""
+    config = algo_lib.resolve(config)[0]  # The algorithm's preset filled in (e.g. frozen attention).
+    return cls(step=algo_lib.StepConfig.from_config(config), optim=optim_lib.OptimConfig.from_config(config),
+               horizons=optim_lib.optimizer_horizons(config), batch_size=int(config.trainer.batch_size),
+               mesh=tuple((axis, int(config.mesh[axis])) for axis in parallel.MESH_AXES),
+               rules=tuple(config.mesh.rules), seed=int(config.seed))
+
+
 class Learner:
   """Holds the learner state on the mesh and runs update steps.
 
   Args:
-    config: the full config (`algo`, `optim`, `trainer`, `mesh`).
+    settings: the learner's settings (`LearnerConfig.from_config(config)`).
     policy: the policy `Decoder`, or a function creating it (preferred: created directly sharded).
     critic: the value model (or a function); default `ValueModel.from_policy(policy)` for `sao`/`ppo`.
-    mesh: the learner mesh (default `parallel.make_mesh(config.mesh)` over all devices).
+    mesh: the learner mesh (default `parallel.make_mesh` of `settings.mesh` over all devices).
     model_config: the policy's `ModelConfig`, for layout checks (heads divisible by `tensor`).
   """
 
-  def __init__(self, config: Any, *, policy: ModelOrFn, critic: ModelOrFn | None = None,
+  def __init__(self, settings: LearnerConfig, *, policy: ModelOrFn, critic: ModelOrFn | None = None,
                mesh: Mesh | None = None, model_config: Any = None):
-    self.config = config = algo_lib.resolve(config)[0]  # The algorithm's preset filled in (e.g. frozen attention).
-    self.step_config = cfg = algo_lib.StepConfig.from_config(config)
-    self.mesh = mesh if mesh is not None else parallel.make_mesh(config.mesh)
+    self.settings = settings
+    self.step_config = cfg = settings.step
+    self.mesh = mesh if mesh is not None else parallel.make_mesh(dict(settings.mesh))
     if model_config is None and isinstance(policy, nnx.Module):
       model_config = getattr(policy, 'cfg', None)
-    parallel.check_layout(config, self.mesh, model_config)
-    rules = config.mesh.rules
-    o = config.optim
-    policy_updates, critic_updates = optim_lib.optimizer_horizons(config)
+    parallel.check_layout_sizes(self.mesh, batch_size=settings.batch_size, minibatch_size=cfg.minibatch_size,
+                                microbatch_size=cfg.microbatch_size, rules=settings.rules, model_config=model_config)
+    rules = settings.rules
+    o = settings.optim
+    policy_updates, critic_updates = settings.horizons
     tx_at = functools.partial(optim_lib.optimizer_at, o)  # The optimizers' numbers are inputs of the update.
     policy_hp = optim_lib.optim_hparams(o, o.actor_lr, policy_updates)
     self.policy_spec, policy_state, policy_sh = state_lib.create_train_state(
@@ -111,10 +145,10 @@ class Learner:
     self.critic_spec, critic_state, critic_sh, critic_hp = None, None, None, None
     if cfg.uses_critic:
       if critic is None:
-        critic = default_critic(policy, int(config.seed) + 1)
+        critic = default_critic(policy, settings.seed + 1)
       critic_hp = optim_lib.optim_hparams(o, o.critic_lr, critic_updates)
       self.critic_spec, critic_state, critic_sh = state_lib.create_train_state(
-          critic, tx_at(critic_hp), self.mesh, rules, trainable=critic_trainable(bool(o.freeze_critic_attention)))
+          critic, tx_at(critic_hp), self.mesh, rules, trainable=critic_trainable(o.freeze_critic_attention))
       self.critic_spec = dataclasses.replace(self.critic_spec, tx_at=tx_at)
     step0 = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=rep)()
     self.state = state_lib.LearnerState(policy=policy_state, critic=critic_state, step=step0)
@@ -142,7 +176,7 @@ class Learner:
                             out_shardings=(self.state_shardings, rep), donate_argnums=(0,))
     self._batch_shardings = batch_sh
     self._compiled: dict[tuple[int, int], Any] = {}  # (rows, T) -> the update compiled ahead (`compile_update`).
-    self.max_consecutive_skips = int(o.max_consecutive_skips)
+    self.max_consecutive_skips = o.max_consecutive_skips
     self.last_step_time_s = float('nan')
 
   # ---- Batches.

@@ -7,6 +7,7 @@ before `tx.init`, so they hold no optimizer state at all.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.struct
@@ -23,6 +24,39 @@ OPTIMIZERS = ('adamw', 'sgd')
 SCHEDULES = ('constant', 'cosine')
 
 
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """`config.optim`, typed (see `configs/base.py` for each field's meaning): what the functions of this module
+  read as `optim_config` (they also take the `config.optim` section itself)."""
+  optimizer: str
+  actor_lr: float
+  critic_lr: float
+  schedule: str
+  warmup_steps: int
+  total_steps: int
+  end_lr_factor: float
+  b1: float
+  b2: float
+  eps: float
+  weight_decay: float
+  grad_clip: float
+  freeze_critic_attention: bool
+  max_consecutive_skips: int
+
+  @classmethod
+  def from_config(cls, config: Any) -> OptimConfig:
+    """`config.optim` with its algorithm's preset filled in (`algo.resolve`: `freeze_critic_attention`), after
+    `check_optim`."""
+    o = algo_lib.resolve(config)[0].optim
+    check_optim(o)
+    return cls(
+        optimizer=str(o.get('optimizer', 'adamw')), actor_lr=float(o.actor_lr), critic_lr=float(o.critic_lr),
+        schedule=str(o.schedule), warmup_steps=int(o.warmup_steps), total_steps=int(o.total_steps),
+        end_lr_factor=float(o.end_lr_factor), b1=float(o.b1), b2=float(o.b2), eps=float(o.eps),
+        weight_decay=float(o.weight_decay), grad_clip=float(o.grad_clip),
+        freeze_critic_attention=bool(o.freeze_critic_attention), max_consecutive_skips=int(o.max_consecutive_skips))
+
+
 def check_optim(optim_config: Any) -> None:
   """The optimizer's checks of `config.optim` (run by `make_schedule` / `make_optimizer` and at start).
 
@@ -32,7 +66,7 @@ def check_optim(optim_config: Any) -> None:
       checked where the horizon is known.
   """
   o = optim_config
-  name = o.get('optimizer', 'adamw')
+  name = getattr(o, 'optimizer', 'adamw')
   if name not in OPTIMIZERS:
     raise ConfigError(f'config.optim.optimizer={name!r} is not one of {list(OPTIMIZERS)}.')
   if o.schedule not in SCHEDULES:
@@ -164,7 +198,7 @@ def optimizer_at(optim_config: Any, hp: OptimHParams) -> optax.GradientTransform
   `p <- p - lr * g`) with `schedule_at(hp)`; every value from `hp` (host or traced), the
   structure (and so the optimizer state's tree) from `config.optim` alone."""
   o = optim_config
-  name = o.get('optimizer', 'adamw')
+  name = getattr(o, 'optimizer', 'adamw')
   lr = schedule_at(hp)
   if name == 'adamw':
     tx = optax.adamw(lr, b1=hp.b1, b2=hp.b2, eps=hp.eps, weight_decay=hp.weight_decay)

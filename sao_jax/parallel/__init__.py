@@ -11,6 +11,7 @@ from sao_jax.parallel.distributed import to_host
 from sao_jax.parallel.mesh import BATCH_AXES
 from sao_jax.parallel.mesh import batch_divisor
 from sao_jax.parallel.mesh import check_layout
+from sao_jax.parallel.mesh import check_layout_sizes
 from sao_jax.parallel.mesh import actor_device_count
 from sao_jax.parallel.mesh import make_actor_mesh
 from sao_jax.parallel.mesh import make_mesh

@@ -151,24 +151,32 @@ def check_layout(config: Any, mesh: Mesh | Mapping[str, int], model_config: Any 
   Raises:
     ConfigError: naming the fields.
   """
+  tr = config.trainer
+  check_layout_sizes(mesh, batch_size=tr.batch_size, minibatch_size=tr.minibatch_size,
+                     microbatch_size=tr.get('microbatch_size', 0), rules=config.mesh.rules, model_config=model_config)
+
+
+def check_layout_sizes(mesh: Mesh | Mapping[str, int], *, batch_size: int, minibatch_size: int,
+                       microbatch_size: int, rules: Any, model_config: Any | None = None) -> None:
+  """`check_layout` of the values themselves (`config.trainer`'s sizes, `config.mesh.rules`): what a part that
+  holds its own typed settings (the learner) checks."""
   shape = dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
   shards = math.prod(shape[axis] for axis in BATCH_AXES)
-  tr = config.trainer
-  if tr.batch_size % shards:
+  if batch_size % shards:
     raise ConfigError(
-        f'config.trainer.batch_size={tr.batch_size} is not divisible by config.mesh.data * config.mesh.fsdp '
+        f'config.trainer.batch_size={batch_size} is not divisible by config.mesh.data * config.mesh.fsdp '
         f'= {shape["data"]} * {shape["fsdp"]} = {shards} (rows are split over those axes).')
-  if tr.minibatch_size and tr.minibatch_size % shards:
+  if minibatch_size and minibatch_size % shards:
     raise ConfigError(
-        f'config.trainer.minibatch_size={tr.minibatch_size} is not divisible by config.mesh.data * '
+        f'config.trainer.minibatch_size={minibatch_size} is not divisible by config.mesh.data * '
         f'config.mesh.fsdp = {shards}: every minibatch is split over those axes.')
-  if tr.get('microbatch_size', 0) and tr.microbatch_size % shards:
+  if microbatch_size and microbatch_size % shards:
     raise ConfigError(
-        f'config.trainer.microbatch_size={tr.microbatch_size} is not divisible by config.mesh.data * '
+        f'config.trainer.microbatch_size={microbatch_size} is not divisible by config.mesh.data * '
         f'config.mesh.fsdp = {shards}: every microbatch is split over those axes.')
   if model_config is None:
     return
-  rules = dict(config.mesh.rules)
+  rules = dict(rules)
   for logical, field in (('heads', 'num_heads'), ('kv_heads', 'num_kv_heads')):
     axes = _as_tuple(rules.get(logical))
     size = math.prod(shape[a] for a in axes) if axes else 1

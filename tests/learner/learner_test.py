@@ -18,7 +18,7 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 
 from sao_jax.errors import ConfigError
-from sao_jax.learner import Learner, NonFiniteUpdateError, StepConfig
+from sao_jax.learner import Learner, LearnerConfig, NonFiniteUpdateError, StepConfig
 from sao_jax.learner import algo as algo_lib
 from sao_jax.learner import optim as optim_lib
 from sao_jax.learner import state as state_lib
@@ -51,7 +51,7 @@ def _snapshot(learner):
 def _runs(algo: str, mesh_shape: tuple[int, int]):
   """Builds a learner on a (fsdp, tensor) mesh and runs two steps on batches 0 and 1; returns snapshots."""
   overrides = SAO_OVERRIDES if algo == 'sao' else GRPO_OVERRIDES
-  learner = Learner(H.config(algo, **overrides), policy=_policy(), mesh=H.mesh(*mesh_shape),
+  learner = Learner(LearnerConfig.from_config(H.config(algo, **overrides)), policy=_policy(), mesh=H.mesh(*mesh_shape),
                     model_config=H.MODEL)
   snaps = [_snapshot(learner)]
   metrics = []
@@ -108,7 +108,8 @@ class CompileAheadTest(absltest.TestCase):
 
   def test_compiled_update_is_used_and_matches_the_jitted_one(self):
     _, snaps, metrics = _runs('sao', (1, 1))  # The reference: the jitted update, compiled at its first call.
-    learner = Learner(H.config('sao', **SAO_OVERRIDES), policy=_policy(), mesh=H.mesh(1, 1), model_config=H.MODEL)
+    learner = Learner(LearnerConfig.from_config(H.config('sao', **SAO_OVERRIDES)), policy=_policy(), mesh=H.mesh(1, 1),
+                      model_config=H.MODEL)
     learner.compile_update(H.B, (H.T,))
 
     def no_compile(*args):
@@ -135,7 +136,8 @@ class HyperparametersAreInputsTest(absltest.TestCase):
            'optim.eps': 1e-6, 'optim.weight_decay': 0.01, 'optim.grad_clip': 0.5}
 
   def _learner(self, **overrides):
-    return Learner(H.config('sao', **SAO_OVERRIDES, **overrides), policy=_policy(), mesh=H.mesh(1, 1),
+    return Learner(LearnerConfig.from_config(H.config('sao', **SAO_OVERRIDES, **overrides)), policy=_policy(),
+                   mesh=H.mesh(1, 1),
                    model_config=H.MODEL)
 
   def _program(self, learner):
@@ -385,7 +387,7 @@ class StepPartsTest(absltest.TestCase):
     optim_hparams = optim_lib.optim_hparams
     c.optim.actor_lr, c.optim.critic_lr = 1e-3, 2e-3
     with mock.patch.object(optim_lib, 'optim_hparams', spy):
-      Learner(c, policy=H.policy_fn(), mesh=H.mesh(1, 1))
+      Learner(LearnerConfig.from_config(c), policy=H.policy_fn(), mesh=H.mesh(1, 1))
     self.assertEqual(seen, [(1e-3, 34), (2e-3, 80)])
     c.trainer.num_steps = 2  # 2 critic-only steps of a 3-step warmup: no decay phase for a 5-step LR warmup.
     c.optim.warmup_steps = 5

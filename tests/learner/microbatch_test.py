@@ -17,7 +17,7 @@ import optax
 from absl.testing import absltest, parameterized
 from flax import nnx
 
-from sao_jax.learner import Learner, StepConfig
+from sao_jax.learner import Learner, LearnerConfig, StepConfig
 from sao_jax.learner import state as state_lib
 from sao_jax.learner import steps
 from sao_jax.models import logprobs as logprobs_lib
@@ -178,7 +178,7 @@ def _learner_update(algo: str, microbatch_size: int, minibatch_size: int = 4, me
   if algo == 'sao':
     overrides.update({'trainer.minibatch_size': minibatch_size, 'algo.critic_warmup_steps': 0,
                       'algo.entropy_coef': 0.1})
-  learner = Learner(H.config(algo, **overrides), policy=_policy(), mesh=H.mesh(*mesh_shape),
+  learner = Learner(LearnerConfig.from_config(H.config(algo, **overrides)), policy=_policy(), mesh=H.mesh(*mesh_shape),
                     model_config=H.MODEL)
   batch = H.batch(0, pad_rows=1 if algo == 'sao' else 2)
   am = np.array(batch.action_mask)

@@ -15,7 +15,7 @@ def main(port: str, process_id: str, out: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from sao_jax import parallel  # pylint: disable=g-import-not-at-top
-  from sao_jax.learner import Learner  # pylint: disable=g-import-not-at-top
+  from sao_jax.learner import Learner, LearnerConfig  # pylint: disable=g-import-not-at-top
   from tests.learner import helpers as H  # pylint: disable=g-import-not-at-top
 
   config = H.config('sao', **H.SAO_OVERRIDES)
@@ -25,7 +25,7 @@ def main(port: str, process_id: str, out: str) -> None:
   assert parallel.initialize(config.distributed, timeout_s=120)
   assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.device_count())
   mesh = parallel.make_mesh(dict(data=1, fsdp=2, tensor=2))
-  learner = Learner(config, policy=H.policy_fn()(), mesh=mesh, model_config=H.MODEL)
+  learner = Learner(LearnerConfig.from_config(config), policy=H.policy_fn()(), mesh=mesh, model_config=H.MODEL)
   start, stop = parallel.local_row_range(H.B, mesh)
   assert stop - start == H.B // 2, (start, stop)
   metrics = {}

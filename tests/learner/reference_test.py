@@ -24,7 +24,7 @@ from absl.testing import absltest
 from flax import nnx
 
 from configs import base
-from sao_jax.learner import Learner
+from sao_jax.learner import Learner, LearnerConfig
 from sao_jax.models import Decoder
 from sao_jax.models import value as value_lib
 from sao_jax.structs import Batch
@@ -173,8 +173,8 @@ def _run_learner(algo, settings, policy, critic, batch, real, gae_over='actions'
   before = {'policy': _flat_model(policy, nnx.Param)[0]}
   if critic is not None:
     before['critic'], before['critic_rest'] = _flat_model(critic, ref.CRITIC_TRAINED)
-  learner = Learner(_config(algo, settings, len(batch.tokens), gae_over), policy=policy, critic=critic, mesh=H.mesh(1, 1),
-                    model_config=H.MODEL)
+  learner = Learner(LearnerConfig.from_config(_config(algo, settings, len(batch.tokens), gae_over)), policy=policy,
+                    critic=critic, mesh=H.mesh(1, 1), model_config=H.MODEL)
   learner.update(batch)
   after = {'policy': ref.flat(H.host(learner.state.policy.params))}
   if critic is not None:

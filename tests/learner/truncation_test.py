@@ -13,7 +13,7 @@ import numpy as np
 from absl.testing import absltest
 from flax import nnx
 
-from sao_jax.learner import Learner
+from sao_jax.learner import Learner, LearnerConfig
 from sao_jax.learner import steps
 from sao_jax.models import value as value_lib
 from sao_jax.structs import Batch
@@ -67,7 +67,8 @@ def _learner(truncation: str, batch_size: int, **overrides) -> Learner:
   config = H.config('sao', **{'algo.truncation': truncation, 'algo.gamma': 1.0, 'algo.lam_critic': 1.0,
                               'trainer.batch_size': batch_size, 'trainer.minibatch_size': 0,
                               'optim.optimizer': 'sgd', 'optim.grad_clip': 0.0, **overrides})
-  return Learner(config, policy=policy, critic=critic, mesh=H.mesh(1, 1), model_config=H.MODEL)
+  return Learner(LearnerConfig.from_config(config), policy=policy, critic=critic, mesh=H.mesh(1, 1),
+                 model_config=H.MODEL)
 
 
 class RealLengthsTest(absltest.TestCase):
