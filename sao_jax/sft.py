@@ -1,6 +1,6 @@
 """Supervised warm start (`config.sft`): a few jitted cross-entropy steps on task-generated solutions, before RL.
 
-    summary = sft.warm_start(learner, task, tokenizer, config)    # the trainer's hook, on a fresh run only
+    summary = sft.warm_start(learner, task, tokenizer, SftConfig.from_config(config))  # a fresh run only
 
 Each row is the reference episode of one training problem of the task (its own stream, seed
 `config.seed + config.sft.data_seed`; the eval set is excluded by the task's iterator): the task's reference
@@ -24,6 +24,7 @@ head), with a fresh optimizer state.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,6 +47,44 @@ from sao_jax.models import logprobs as logprobs_lib
 from sao_jax.tokenizers import Tokenizer
 
 Metrics = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class SftConfig:
+  """The warm start's settings, read from a run's config once (`from_config`; `configs/base.py`, `sft` section,
+  for each field's meaning).
+
+  Attributes:
+    steps, batch_size, lr, warmup_steps, schedule, end_lr_factor, num_examples, log_every: `config.sft`'s.
+    data_seed: the seed of the problems' stream, `config.seed + config.sft.data_seed`.
+    seq_buckets: the padded row lengths allowed (`config.trainer.seq_buckets`).
+    limits: the run's episode budgets (`EpisodeLimits.from_config(config)`): a reference episode must fit them.
+    optim: the run's optimizer settings (`OptimConfig`), whose schedule the warm start replaces (`sft_optimizer`).
+    eval: the eval settings of the accuracy before and after (`eval.EvalConfig`).
+  """
+  steps: int
+  batch_size: int
+  lr: float
+  warmup_steps: int
+  schedule: str
+  end_lr_factor: float
+  num_examples: int
+  log_every: int
+  data_seed: int
+  seq_buckets: tuple[int, ...]
+  limits: rollout.EpisodeLimits
+  optim: optim_lib.OptimConfig
+  eval: eval_lib.EvalConfig
+
+  @classmethod
+  def from_config(cls, config: Any) -> SftConfig:
+    s = config.sft
+    return cls(steps=int(s.steps), batch_size=int(s.batch_size), lr=float(s.lr), warmup_steps=int(s.warmup_steps),
+               schedule=str(s.schedule), end_lr_factor=float(s.end_lr_factor), num_examples=int(s.num_examples),
+               log_every=int(s.log_every), data_seed=int(config.seed) + int(s.data_seed),
+               seq_buckets=tuple(int(b) for b in config.trainer.seq_buckets),
+               limits=rollout.EpisodeLimits.from_config(config), optim=optim_lib.OptimConfig.from_config(config),
+               eval=eval_lib.EvalConfig.from_config(config))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -156,16 +195,14 @@ def sft_objective() -> steps_lib.Objective:
   return steps_lib.Objective(forward, loss)
 
 
-def sft_optimizer(config: Any):
-  """The warm start's optimizer: `config.optim` (optimizer, betas, clipping, ...) at peak lr `config.sft.lr`,
-  linear warmup over `config.sft.warmup_steps` optimizer steps, then constant or (`config.sft.schedule='cosine'`)
-  a cosine decay to `lr * config.sft.end_lr_factor` at step `config.sft.steps` (`optim.make_schedule`)."""
-  o = config.optim.copy_and_resolve_references()
-  o.schedule = str(config.sft.schedule)
-  o.warmup_steps = int(config.sft.warmup_steps)
-  o.total_steps = max(int(config.sft.steps), int(config.sft.warmup_steps) + 1)
-  o.end_lr_factor = float(config.sft.end_lr_factor)
-  return optim_lib.make_optimizer(o, float(config.sft.lr))
+def sft_optimizer(settings: SftConfig):
+  """The warm start's optimizer: the run's (`settings.optim`: optimizer, betas, clipping, ...) at peak lr
+  `settings.lr`, linear warmup over `settings.warmup_steps` optimizer steps, then constant or
+  (`schedule='cosine'`) a cosine decay to `lr * end_lr_factor` at step `settings.steps` (`optim.make_schedule`)."""
+  o = dataclasses.replace(settings.optim, schedule=settings.schedule, warmup_steps=settings.warmup_steps,
+                          total_steps=max(settings.steps, settings.warmup_steps + 1),
+                          end_lr_factor=settings.end_lr_factor)
+  return optim_lib.make_optimizer(o, settings.lr)
 
 
 def make_sft_step(spec: state_lib.ModelSpec, shardings: state_lib.TrainState, mesh
@@ -197,23 +234,22 @@ def _reset_critic(learner: Learner) -> None:
   learner.state = learner.state.replace(critic=ts)
 
 
-def warm_start(learner: Learner, task: envs_base.Task, tokenizer: Tokenizer, config: Any, *,
+def warm_start(learner: Learner, task: envs_base.Task, tokenizer: Tokenizer, settings: SftConfig, *,
                evaluate: bool = True) -> dict[str, float]:
-  """Runs `config.sft.steps` supervised steps on the learner's policy (see the module docstring).
+  """Runs `settings.steps` supervised steps on the learner's policy (see the module docstring).
 
   Args:
     learner: the fresh learner (step 0); its policy is updated in place and its critic re-initialised from it.
     task: the task (`Task.solution_actions` gives the reference turns).
     tokenizer: the policy's tokenizer.
-    config: the run config (`sft`, `optim`, `trainer.seq_buckets`, `mesh`, `seed`).
+    settings: the warm start's settings (`SftConfig.from_config(config)`).
     evaluate: greedy eval accuracy on the task's eval set before and after (`sao_jax.eval.evaluate`).
 
   Returns:
     `{'sft/steps', 'sft/examples', 'sft/loss_first', 'sft/loss_last', 'sft/wall_s', 'sft/tokens_per_s'}` and,
     with `evaluate`, `'sft/eval_accuracy_before'` and `'sft/eval_accuracy'` (after).
   """
-  s = config.sft
-  steps = int(s.steps)
+  steps = settings.steps
   t0 = time.perf_counter()
   out: dict[str, float] = {}
   backend = None
@@ -222,18 +258,17 @@ def warm_start(learner: Learner, task: envs_base.Task, tokenizer: Tokenizer, con
     nonlocal backend
     model = learner.policy_model()
     if backend is None:
-      backend = eval_lib.make_backend(model, tokenizer, task, config, version=0)
-    summary = eval_lib.evaluate(model, tokenizer, task, config, backend=backend, version=0, progress=False)
+      backend = rollout.make_backend(model, tokenizer, task, settings.eval.settings, version=0)
+    summary = eval_lib.evaluate(model, tokenizer, task, settings.eval, backend=backend, version=0, progress=False)
     return float(summary['greedy_accuracy'])
 
   if evaluate:
     out['sft/eval_accuracy_before'] = accuracy()
-  spec, ts, shardings = state_lib.create_train_state(learner.policy_model(), sft_optimizer(config), learner.mesh,
-                                                     config.mesh.rules)
+  spec, ts, shardings = state_lib.create_train_state(learner.policy_model(), sft_optimizer(settings), learner.mesh,
+                                                     learner.settings.rules)
   step_fn = make_sft_step(spec, shardings, learner.mesh)
-  data = SolutionStream(task, tokenizer, seed=int(config.seed) + int(s.data_seed), batch_size=int(s.batch_size),
-                        num_examples=int(s.num_examples), seq_buckets=tuple(config.trainer.seq_buckets),
-                        limits=rollout.EpisodeLimits.from_config(config))
+  data = SolutionStream(task, tokenizer, seed=settings.data_seed, batch_size=settings.batch_size,
+                        num_examples=settings.num_examples, seq_buckets=settings.seq_buckets, limits=settings.limits)
   first = last = float('nan')
   tokens = 0
   t_steps = time.perf_counter()
@@ -241,7 +276,7 @@ def warm_start(learner: Learner, task: envs_base.Task, tokenizer: Tokenizer, con
     rows = next(data)
     tokens += rows['tokens'].size
     ts, metrics = step_fn(ts, state_lib.place(rows, {k: parallel.batch_sharding(learner.mesh, 2) for k in rows}))
-    if i == 0 or i == steps - 1 or (s.log_every and (i + 1) % int(s.log_every) == 0):
+    if i == 0 or i == steps - 1 or (settings.log_every and (i + 1) % settings.log_every == 0):
       m = {k: float(v) for k, v in parallel.to_host(metrics).items()}
       first = m['loss'] if i == 0 else first
       last = m['loss']
@@ -253,10 +288,10 @@ def warm_start(learner: Learner, task: envs_base.Task, tokenizer: Tokenizer, con
   _reset_critic(learner)
   if evaluate:
     out['sft/eval_accuracy'] = accuracy()
-  out.update({'sft/steps': float(steps), 'sft/examples': float(steps * int(s.batch_size)),
+  out.update({'sft/steps': float(steps), 'sft/examples': float(steps * settings.batch_size),
               'sft/loss_first': first, 'sft/loss_last': last, 'sft/wall_s': time.perf_counter() - t0,
               'sft/tokens_per_s': tokens / max(step_s, 1e-9)})
   logging.info('Warm start: %d steps (%d examples) in %.1fs; loss %.4f -> %.4f; eval accuracy %s -> %s.', steps,
-               steps * int(s.batch_size), out['sft/wall_s'], first, last,
+               steps * settings.batch_size, out['sft/wall_s'], first, last,
                out.get('sft/eval_accuracy_before', 'n/a'), out.get('sft/eval_accuracy', 'n/a'))
   return out

@@ -238,7 +238,7 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
   # Its metrics (eval accuracy before / after it, losses) go into the step-0 row and the run summary.
   warm = {}
   if start == 0 and int(config.sft.steps) > 0:
-    warm = sft.warm_start(learner, task, tokenizer, config, evaluate=bool(tr.eval_every))
+    warm = sft.warm_start(learner, task, tokenizer, sft.SftConfig.from_config(config), evaluate=bool(tr.eval_every))
 
   # ---- Actors.
   publisher = actor_lib.WeightPublisher(

@@ -107,7 +107,7 @@ class SftTest(absltest.TestCase):
                       model_config=MODEL)
     before = jax.tree.map(np.asarray, nnx.state(learner.policy_model(), nnx.Param))
     opt_before = jax.tree.map(np.asarray, learner.state.policy.opt_state)
-    out = sft.warm_start(learner, self.task, self.tok, config, evaluate=False)
+    out = sft.warm_start(learner, self.task, self.tok, sft.SftConfig.from_config(config), evaluate=False)
     self.assertEqual(out['sft/steps'], 8.0)
     self.assertEqual(out['sft/examples'], 64.0)
     self.assertLess(out['sft/loss_last'], 0.7 * out['sft/loss_first'])  # A few steps on the same rows.
@@ -137,7 +137,7 @@ class SftTest(absltest.TestCase):
     config.sft.warmup_steps = 2
 
     def lrs():
-      tx = sft.sft_optimizer(config)
+      tx = sft.sft_optimizer(sft.SftConfig.from_config(config))
       params = np.zeros((), np.float32)
       state, out = tx.init(params), []
       for _ in range(12):
