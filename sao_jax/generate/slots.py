@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import time
 import weakref
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from absl import logging
 import jax
@@ -33,23 +33,13 @@ from sao_jax import parallel
 from sao_jax.generate import programs
 from sao_jax.generate.code_maps import CODE_MAPS
 from sao_jax.generate.config import GenerateConfig
+from sao_jax.generate.prefix import SharedPrefix
 from sao_jax.generate.programs import CachePlacement, Queue, Window
 from sao_jax.generate.sampling import SamplingParams
 from sao_jax.generate.static import StaticSettings, decode_windows
-from sao_jax.generate.weights import WeightsSnapshot
+from sao_jax.generate.weights import SnapshotSource, WeightsSnapshot
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.decode import DecodeCache, DecodeWeights
-
-MIN_PREFIX = 8  # Tokens: a shorter shared prefix is not worth a cache of its own.
-
-
-class SnapshotSource(Protocol):
-  """Where the weights come from: anything with a `snapshot` (`sao_jax.generate.weights.WeightsSource`)."""
-  cfg: ModelConfig
-
-  @property
-  def snapshot(self) -> WeightsSnapshot:
-    ...
 
 
 @dataclasses.dataclass
@@ -121,10 +111,6 @@ def exact_admissions(cfg: ModelConfig, chunk: int, platform: str) -> bool:
   16 tokens are 3.4 GFLOP, the tiny model's 2.4 MFLOP; docs/benchmarks/rollout.md). On an accelerator a small
   admission is bound by reading the weights, and a padding row is nearly free."""
   return platform == 'cpu' and 2 * cfg.num_params(include_embedding=False) * chunk >= 1e9
-
-
-def _next_pow2(x: int) -> int:
-  return 1 << max(0, int(x) - 1).bit_length()
 
 
 class SlotSampler:
@@ -199,9 +185,7 @@ class SlotSampler:
     # it), and its cache for one weights version, recomputed when the version or the tokens change.
     self.prefix_cache = bool(prefix_cache)
     self.prefix_slots = self.chunk_buckets[-1]
-    self.prefix: tuple[int, ...] = ()
-    self._prefix_state = 'unknown' if self.prefix_cache else 'off'  # 'unknown' until two distinct prompts.
-    self._first_prompt: tuple[int, ...] | None = None
+    self._shared = SharedPrefix(self.prefix_slots, enabled=self.prefix_cache)
     self._prefix_kv: tuple[tuple[weakref.ref, tuple[int, ...]], DecodeCache] | None = None
     self._no_prefix = self._placed(programs.cache_program(self.cfg, 1, self.prefix_slots, per_row_index=True))
     # (kind, static settings, row bucket, chunk bucket or decode steps) of every program this instance has run.
@@ -302,23 +286,10 @@ class SlotSampler:
 
   # ---- The shared prefix.
 
-  def _learn_prefix(self, prompt: tuple[int, ...]) -> None:
-    """Keeps `prefix` the longest common prefix of the distinct new prompts seen so far (at most
-    `prefix_slots` tokens, shorter than each prompt): set by the first two distinct prompts, then it only
-    shrinks; under `MIN_PREFIX` tokens it is dropped for good (prompts without a common head)."""
-    if self._prefix_state == 'off':
-      return
-    if self._first_prompt is None or (self._prefix_state == 'unknown' and prompt == self._first_prompt):
-      self._first_prompt = prompt  # The first prompt, or the same again (a group): nothing to compare yet.
-      return
-    ref = self.prefix if self._prefix_state == 'on' else self._first_prompt
-    if self._prefix_state == 'on' and len(prompt) > len(ref) and prompt[:len(ref)] == ref:
-      return
-    n, limit = 0, min(len(ref), len(prompt) - 1, self.prefix_slots)
-    while n < limit and ref[n] == prompt[n]:
-      n += 1
-    self.prefix = ref[:n] if n >= MIN_PREFIX else ()
-    self._prefix_state = 'on' if self.prefix else 'off'
+  @property
+  def prefix(self) -> tuple[int, ...]:
+    """The shared prefix of new prompts (`SharedPrefix`): what a new episode's slot starts from."""
+    return self._shared.tokens
 
   def _prefix_for(self, snapshot: WeightsSnapshot) -> DecodeCache:
     """The shared prefix's cache under `snapshot`'s weights (computed once per snapshot and prefix)."""
@@ -430,10 +401,8 @@ class SlotSampler:
     # A new prompt that starts with the shared prefix starts from its cache: only the rest is written.
     for a, c in zip(admissions, chunks):
       if a.new:
-        self._learn_prefix(tuple(c))
-    n_prefix = len(self.prefix)
-    starts = [n_prefix if a.new and n_prefix and len(c) > n_prefix and tuple(c[:n_prefix]) == self.prefix else 0
-              for a, c in zip(admissions, chunks)]
+        self._shared.learn(c)
+    starts = [self._shared.start(c) if a.new else 0 for a, c in zip(admissions, chunks)]
     return chunks, starts
 
   def _admit(self, admissions: Sequence[Admission], chunks: list[list[int]], starts: list[int],
@@ -536,12 +505,11 @@ class SlotSampler:
       if not prompt or len(prompt) > self.max_seq_len or e.budget < 1:
         raise ValueError(f'SlotSampler.step: queued episode {k} has {len(prompt)} prompt tokens (needs 1 to '
                          f'max_seq_len={self.max_seq_len}) and a budget of {e.budget} (needs >= 1).')
-      self._learn_prefix(tuple(prompt))
+      self._shared.learn(prompt)
       out.append((k, e, prompt))
-    n_prefix = len(self.prefix)
     fits = []
     for k, e, prompt in out:
-      start = n_prefix if n_prefix and len(prompt) > n_prefix and tuple(prompt[:n_prefix]) == self.prefix else 0
+      start = self._shared.start(prompt)
       if len(prompt) - start <= self.queue_chunk and len(fits) < self.queue_rows:
         fits.append((k, e, prompt, start))
     return fits

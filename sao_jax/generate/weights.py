@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,15 @@ class WeightsSnapshot:
   """Decode-layout weights and the policy version they belong to (immutable; swapped as a whole)."""
   weights: DecodeWeights
   version: int
+
+
+class SnapshotSource(Protocol):
+  """What an engine reads its weights from: a `WeightsSource`, or anything with its `cfg` and `snapshot`."""
+  cfg: ModelConfig
+
+  @property
+  def snapshot(self) -> WeightsSnapshot:
+    ...
 
 
 def _to_decode_layout(graphdef, state) -> DecodeWeights:
