@@ -59,7 +59,8 @@ from sao_jax import sft
 from sao_jax.envs import registry
 from sao_jax.errors import ConfigError
 from sao_jax.learner import Learner, LearnerConfig
-from sao_jax.generate.sampling import SamplingParams
+from sao_jax.generate.config import GenerateConfig
+from sao_jax.generate.weights import WeightPublisher
 from sao_jax.rollout import actor as actor_lib
 from sao_jax.rollout import prompts as prompts_lib
 from sao_jax.rollout import trajectory_queue
@@ -241,39 +242,26 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
     warm = sft.warm_start(learner, task, tokenizer, sft.SftConfig.from_config(config), evaluate=bool(tr.eval_every))
 
   # ---- Actors.
-  publisher = actor_lib.WeightPublisher(
+  publisher = WeightPublisher(
       None if actor_mesh is None else lambda state: parallel.tree_shardings(state, actor_mesh, config.mesh.rules))
   publisher.publish(learner.policy_model(), version=learner.step)
   limits = rollout.EpisodeLimits.from_config(config)
-  decoding = SamplingParams.from_config(config.sampler)
-  episodes_per_call = max(group_size, int(config.sampler.batch_size) // group_size * group_size)
+  settings = GenerateConfig.from_config(config)
   # The slot cache's keys and values: kv heads split over the actors' devices as the weights' are (a cache
   # placed explicitly keeps every slot program at one compile, `SlotSampler`'s `cache_sharding`).
   actors_mesh = mesh if actor_mesh is None else actor_mesh
   cache_sharding = jax.sharding.NamedSharding(actors_mesh, parallel.logical_to_spec(
-      (None, 'kv_heads'), (episodes_per_call, model_config.num_kv_heads), actors_mesh, config.mesh.rules,
-      name="the actors' slot cache"))
+      (None, 'kv_heads'), (settings.episodes_per_call(group_size), model_config.num_kv_heads), actors_mesh,
+      config.mesh.rules, name="the actors' slot cache"))
 
   def make_actor() -> actor_lib.Actor:
-    model, version = publisher.latest()
-    backend = eval_lib.make_backend(model, tokenizer, task, config, batch_size=episodes_per_call, version=version)
-    return actor_lib.Actor(backend, tokenizer, task, prompts, publisher=publisher, limits=limits,
-                           decoding=decoding, seed=int(config.seed), group_size=group_size,
-                           episodes_per_call=episodes_per_call, weight_switch=str(tr.weight_switch),
+    engine = actor_lib.make_engine(publisher, tokenizer, task, settings, group_size=group_size,
+                                   cache_sharding=cache_sharding)
+    # Async: episodes bound to come back too stale end in flight (counted), and newer weights are taken once
+    # their update has run (the actors never wait for it).
+    return actor_lib.Actor(engine, tokenizer, task, prompts, publisher=publisher, settings=settings, limits=limits,
+                           seed=int(config.seed), group_size=group_size,
                            step_timeout_s=float(config.task.step_timeout_s) or None,
-                           continuous=bool(config.sampler.continuous),  # Continuous batching (issue 15).
-                           decode_steps=int(config.sampler.decode_steps),
-                           refill_rows=int(config.sampler.refill_rows) or None,
-                           prefix_cache=bool(config.sampler.prefix_cache),
-                           fuse_admissions=bool(config.sampler.fuse_admissions),
-                           device_refill=bool(config.sampler.device_refill),
-                           queue_chunk=int(config.sampler.queue_chunk) or None,
-                           row_groups=bool(config.sampler.row_groups),
-                           admission_rows=str(config.sampler.admission_rows),
-                           cache_sharding=cache_sharding,
-                           compile_ahead=bool(config.sampler.compile_ahead),
-                           # Async: episodes bound to come back too stale end in flight (counted), and newer
-                           # weights are taken once their update has run (the actors never wait for it).
                            max_staleness=int(tr.max_staleness) if tr.mode == 'async' else None,
                            wait_for_weights=tr.mode != 'async')
 
@@ -309,13 +297,14 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
 
   # ---- Eval.
   eval_backend = None
+  eval_config = eval_lib.EvalConfig.from_config(config)
 
   def evaluate(step: int) -> dict[str, float]:
     nonlocal eval_backend
     model, _ = publisher.latest()  # On the actors' devices (this process's own, on several processes).
     if eval_backend is None:
-      eval_backend = eval_lib.make_backend(model, tokenizer, task, config, version=step)
-    summary = eval_lib.evaluate(model, tokenizer, task, config, backend=eval_backend, progress=False,
+      eval_backend = rollout.make_backend(model, tokenizer, task, settings, version=step)
+    summary = eval_lib.evaluate(model, tokenizer, task, eval_config, backend=eval_backend, progress=False,
                                 version=step)
     return {'eval_accuracy': summary['greedy_accuracy'], 'eval/greedy_reward': summary['greedy_reward'],
             'eval/truncated_fraction': summary['truncated_fraction']}
