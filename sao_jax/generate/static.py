@@ -1,47 +1,20 @@
-"""Batched KV-cache sampler: jitted prefill + a jitted `lax.while_loop` decode, multi-turn continuation.
+"""The static engine: batched generation with a KV cache, turn by turn (a jitted prefill and a jitted decode loop).
 
-What the actor runs. One `Sampler` holds decode-ready copies of a `Decoder`'s weights and two kinds of jitted
-programs:
+A `Sampler` reads decode-layout weights from a `WeightsSource` and runs two kinds of programs over a batch:
+**chunk prefill** writes a left-padded chunk (a new prompt, or the previous turn's last token and a multi-turn
+episode's observation) and samples the next token, so continuing never re-runs the history; **decode** is a
+`lax.while_loop` that feeds one token per row until every row stops (stop token or budget), with no host sync.
+The loop runs in segments over growing attention windows (`decode_windows`), each on the cache cut to its window.
 
-* **chunk prefill** `(weights, cache, chunk[B, T]) -> (first token, cache)`: writes a left-padded chunk of
-  tokens into the cache and samples the next token from the chunk's last position. It serves both the prompt
-  of a new episode and a continuation chunk (the previous turn's last generated token followed by the
-  observation tokens of a multi-turn episode), so continuing never re-runs the history;
-* **decode** `(weights, cache, ...) -> (tokens[B, N], logprobs, ...)`: a `lax.while_loop` that feeds one
-  token per row per step and stops when every row has produced a stop token or used its budget. No host
-  sync happens inside; the cache is donated and updated in place.
-
-The forward pass is `sao_jax.models.decode.forward` (the Decoder's one cached forward pass) on decode-layout
-weights (`decode.decode_weights`, recomputed by `update_weights`), with a `decode.DecodeCache`: a shared
-scalar write slot, per-row validity (left padding, padding inside a continuation chunk and the steps of rows
-that already finished are holes) and per-row RoPE positions. Tests check the sampler's log-probs against the
-Decoder's plain forward pass over the finished sequences and greedy generations against uncached greedy.
-
-Attention reads only the filled part of the cache: the decode loop runs in segments (`decode_windows`: 288
-slots -> 64, 128, 192, 256, 288), each a `lax.while_loop` on a copy of the cache cut to the segment's window
-(a static shape; a slice of the full cache inside the loop costs XLA:CPU more than it saves), padded back
-afterwards. Segments an episode has already passed run no step. At 256 new tokens this cuts the attention
-reads by ~35% for the price of a few cache copies per call. The prefill chunk attends over the slots filled once
-it is written (bucketed to a power of two >= 32), not over the whole preallocated cache: a new episode's 32-token
-prompt reads 32 slots, not 288.
-
-Shapes are bucketed so that a run compiles a handful of programs: prompt / chunk lengths go up to the next
-of `prompt_buckets` (or a power of two), the number of new tokens to a power of two (>= `min_new_bucket`),
-the batch to a power of two (padding rows generate nothing) and the cache length S = prompt bucket + new
-token bucket (grown to a power of two if a continuation needs more room). `Sampler.num_compiled()` counts
-the compiled programs.
-
-Weights are published as an immutable `WeightsSnapshot(weights, version)` (`update_weights`, an atomic
-reference swap, safe from another thread); every `generate` / `continue_generation` call reads the snapshot
-once and runs all its programs (prefill and every decode segment) on it, and returns its version
-(`SampleOutput.version`): a weight swap during a call takes effect at the next call, never inside one turn.
-A continued episode may switch weights between turns (its cache keeps the history computed by the older
-weights: turn-level partial rollout).
-
-Token alignment of the outputs: `tokens[b, j]` is the j-th generated token of row b, `logprobs[b, j] =
-log pi(tokens[b, j] | prefix)` under the policy at temperature 1 and `sampling_logprobs[b, j]` the
-log-probability under the distribution actually sampled from (`sampling.select_tokens`); entries at
-`j >= lengths[b]` are `pad_id` / 0.
+Rules:
+* the forward pass is `sao_jax.models.decode.forward`, the Decoder's own cached pass (tests compare log-probs
+  with the plain forward and greedy tokens with uncached greedy decoding);
+* shapes are bucketed (chunk lengths to `prompt_buckets`, new tokens and batch to powers of two), so a run
+  compiles a handful of programs (`num_compiled`);
+* a call reads the weights snapshot once and returns its version: a swap takes effect at the next call, and a
+  continued episode may change weights between turns (turn-level partial rollout);
+* outputs: `tokens[b, j]` is row b's j-th generated token, `logprobs[b, j]` its temperature-1 policy log-prob,
+  `sampling_logprobs[b, j]` its log-prob under the distribution sampled from; past `lengths[b]`: `pad_id` / 0.
 """
 
 from __future__ import annotations

@@ -1,44 +1,26 @@
-"""The continuous-batching episode runner: episodes stream through a fixed number of decode slots.
+"""The continuous-batching episode runner: episodes stream through the slots of a `SlotSampler`.
 
-    slots = SlotSampler(sampler, num_slots=16, max_seq_len=config.sampler.max_seq_len, stop_ids=..., pad_id=...)
+    slots = SlotSampler(source, num_slots=16, max_seq_len=config.sampler.max_seq_len, stop_ids=..., pad_id=...)
     trajs = run_continuous(slots, tokenizer, envs, limits=..., decoding=..., seeds=seeds, group_ids=group_ids)
 
-The static runner (`sao_jax.rollout.episodes.run_episodes`) plays a batch turn by turn: each turn is one
-sampler call over the batch, so the batch waits for its longest generation and its slowest env step. Here
-every episode owns a slot of a `sao_jax.generate.slots.SlotSampler` from its first prompt token to its
-end; the host loop alternates
+Every episode owns a slot from its first prompt token to its end (the static runner, `episodes.run_episodes`,
+makes a batch wait for its longest generation and slowest env step instead). The host loop alternates:
+1. harvest env steps that finished (a thread pool: they never block the other slots' decoding): an episode that
+   goes on is queued for admission with its observation, one that ended becomes a `Trajectory` and frees its slot;
+2. fill free slots with waiting episodes;
+3. admit and decode (`SlotSampler.step`): queued chunks are written and each turn's first token sampled, then one
+   decode chunk runs over all slots. While episodes wait, the chunk ends once `refill_rows` more slots are free;
+   with the engine's `device_refill`, waiting episodes are offered to the chunk as a queue and a slot whose
+   episode ends takes one inside it.
 
-1. harvest: env steps that finished (they run in a thread pool, never blocking the decoding of other slots):
-   an episode that goes on is queued for admission with its observation tokens, one that ended becomes a
-   `Trajectory` and frees its slot;
-2. fill: free slots take new episodes (their prompts) from the waiting list;
-3. admit and decode (`SlotSampler.step`): every queued chunk (new prompts and next turns) is written into its
-   slot and each turn's first token sampled (short chunks by the decode chunk's first step, fused with it;
-   others by an admission call before it), then one chunk of at most `decode_steps` steps runs over all slots
-   (per-slot active mask); a slot whose turn ended (stop token, budget) hands the turn to the env pool and
-   waits for its observation. While new episodes wait, the chunk ends as soon as `refill_rows` more slots are
-   free (1: a freed slot is refilled at once; the default, a quarter of the slots, admits several together:
-   fewer device calls, each with a fixed cost, for a few idle slot-steps). With the sampler's `device_refill`,
-   the next waiting episodes are started (env reset, prompt) and offered to the chunk as a queue: a slot whose
-   episode's last turn ends takes one inside the chunk, and the chunk goes on; the finished episode's env step
-   runs as usual, without its slot.
-
-When no slot can decode and nothing is ready to admit, the loop waits for the first env step to finish.
-
-The per-episode steps (prompt rendering, budgets, turn recording, env step, cuts, the trajectory layout)
-are the static runner's (`episodes.start_episode`, `turn_budget`, `absorb`, `finish`), so both produce the
-same `Trajectory` for the same tokens: with greedy decoding, the same tokens (tests check it).
-
-Doomed episodes: `drop_older_than(version)` ends every running episode whose oldest token's version is below
-`version` (the actor calls it with the learner version minus `max_staleness`: such an episode's trajectory
-would be dropped as stale whatever it does next, so its slot goes to a fresh episode now instead of after its
-remaining turns and tool calls) and returns their keys; the caller counts them.
-
-Weights: `follower.refresh()` is called before every device call (a swap takes effect between decode
-chunks; every token records the version that generated it: `Trajectory.info['token_versions']` lists them
-for the action tokens in order, and a turn's version is the oldest of its tokens'). With
-`per_episode_weights` a newer version is taken only when no episode is running: new episodes are held back
-until the running ones finish (one version per episode).
+Rules:
+* the per-episode steps (prompt, budgets, turns, env step, cuts, layout) are the static runner's
+  (`episodes.start_episode`, `turn_budget`, `absorb`, `finish`): greedy episodes are token for token the same;
+* weights: `follower.refresh()` runs before every device call; every token records its version
+  (`Trajectory.info['token_versions']`), a turn's version is its oldest token's; with `per_episode_weights`, a
+  newer version is taken only when no episode runs;
+* `drop_older_than(version)` ends every running episode whose oldest token is older (its trajectory would be
+  dropped as stale anyway) and returns their keys, so its slot goes to a fresh episode at once.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ONE episode runner: a batch of multi-turn episodes, turn by turn, on a generation `Backend`.
+"""The static episode runner: a batch of multi-turn episodes, turn by turn, on a generation `Backend`.
 
     trajs = run_episodes(backend, tokenizer, envs, limits=EpisodeLimits.from_config(config),
                          decoding=SamplingParams.from_config(config.sampler), seeds=seeds, group_ids=group_ids)
