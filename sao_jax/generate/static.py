@@ -23,7 +23,7 @@ import dataclasses
 import enum
 import functools
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -257,11 +257,6 @@ class Sampler:
     self._decode = jax.jit(fresh(_decode_impl), static_argnums=(0, 1), donate_argnums=(3,))
     self.source = model if isinstance(model, WeightsSource) else WeightsSource(model, version=version)
 
-  @classmethod
-  def from_config(cls, model: nnx.Module, sampler_config: Any, **kwargs) -> Sampler:
-    """A sampler with `config.sampler.prompt_buckets`."""
-    return cls(model, prompt_buckets=tuple(sampler_config.prompt_buckets), **kwargs)
-
   def update_weights(self, model: nnx.Module, *, version: int | None = None) -> None:
     """Publishes `model`'s weights as the snapshot of policy `version` (default: the current version + 1;
     `WeightsSource.update_weights`): calls in flight finish on the snapshot they took; nothing recompiles."""
@@ -271,10 +266,6 @@ class Sampler:
   def snapshot(self) -> WeightsSnapshot:
     """The current (weights, version); a call reads it once."""
     return self.source.snapshot
-
-  @property
-  def weights(self) -> DecodeWeights:
-    return self.source.weights
 
   @property
   def version(self) -> int:
