@@ -11,6 +11,7 @@ import numpy as np
 
 from configs import arith
 from sao_jax import checkpoint as checkpoint_lib
+from sao_jax import config_lib
 from sao_jax import metrics
 from sao_jax import trainer
 from sao_jax.errors import ConfigError
@@ -112,6 +113,21 @@ class TrainerTest(absltest.TestCase):
       # A step's time is idle or busy (with prefetch the queue wait overlaps the update: busy is not dt - wait).
       self.assertAlmostEqual(r['learner/busy_s'], (1 - r['learner/wait_fraction']) * r['perf/step_time_s'],
                              delta=1e-9)
+
+  def test_run_validates_a_raw_config_once_and_a_validated_one_not_again(self):
+    # No workdir and no checkpoints: the config validates, and the run stops right after (it needs a workdir).
+    config = tiny_config('', checkpoint_every=0)
+    with mock.patch.object(config_lib, 'validate', wraps=config_lib.validate) as validate:
+      with self.assertRaisesRegex(ConfigError, 'the trainer needs a work directory'):
+        trainer.run(config)
+      self.assertEqual(validate.call_count, 1)
+      resolved = config_lib.validate(config, for_run=True, log=False)  # As sao_jax.main does, before the run.
+      with self.assertRaisesRegex(ConfigError, 'the trainer needs a work directory'):
+        trainer.run(resolved, validated=True)
+      self.assertEqual(validate.call_count, 2)  # Not again inside the run.
+    config.algo.eps_low = 1.5  # A raw config is checked: the bad field is named before anything is built.
+    with self.assertRaisesRegex(ConfigError, r'config\.algo\.eps_low=1\.5'):
+      trainer.run(config)
 
 
 if __name__ == '__main__':
