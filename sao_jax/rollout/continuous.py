@@ -190,7 +190,7 @@ class ContinuousRunner:
     self._fill()
     admissions, self._admissions = self._admissions, []
     worked = bool(admissions) or self.slots.any_active
-    if worked:  # One call: the admissions (fused into the decode chunk where they fit), then the chunk.
+    if worked:  # One call: the admissions, then the decode chunk.
       busy = sorted({int(s) for s in self.slots.active.nonzero()[0]} | {a.slot for a in admissions})
       refill = None
       waiting = len(self._waiting) + len(self._staged)
