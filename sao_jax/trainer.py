@@ -2,35 +2,20 @@
 
     python -m sao_jax.main --config=configs/arith.py --workdir=/tmp/sao_run
 
-One flat function in sections, as big_vision's train.py: task and model -> learner -> checkpoint (resume) ->
-actors -> loop -> final eval and save. The pieces (docs/design.md, Data flow):
-
-- actors (`sao_jax.rollout.actor`): `sampler.num_threads` threads in `trainer.mode='async'`, each with its own
-  KV-cache sampler, play whole episodes with the newest published weights and put finished trajectories (one,
-  or one prompt's whole group) into the bounded `TrajectoryQueue`; in `'sync'` mode the loop itself plays the
-  batch with the current weights, then updates (the same actor, no thread);
-- devices (`parallel.split_devices`): with `mesh.actor_devices = n > 0` the actors run on the first n local
-  devices of each process (their own tensor mesh) and the learner's data/fsdp/tensor mesh spans the rest; the
-  `WeightPublisher` reshards each new policy onto the actors' devices asynchronously (n = 0: one process shares
-  the learner's mesh);
-- the learner draws `trainer.batch_size` trajectories (stale ones dropped and counted by the queue; continuous
-  actors end the episodes bound to be stale in flight, counted too: `dropped/stale` holds both,
-  `dropped/stale_in_flight` the latter), packs them
-  (`rollout.pack`: bucketed lengths, unbootstrappable truncations dropped and counted) and runs one jitted
-  update; the policy version is the learner step; the new weights are published after every update. In async
-  mode the next batch is drawn, packed and placed on the learner's batch sharding while the update runs
-  (`trainer.prefetch`); `learner/wait_fraction` is the share of time no update was running (from when each
-  update finished to the next dispatch) and `learner/busy_s` the rest of the step's time (`perf/step_time_s`,
-  dispatch to dispatch);
-- episodes whose env or verifier failed or timed out are logged with their prompt, dropped and counted
-  (`failed/env_error`, `failed/env_timeout`);
-- several processes (`parallel.initialize` before `run`): every process runs the same loop, its actors on its
-  local devices, on its own share of the prompt stream (`ProcessShard`), feeding its `batch_size / P` rows of
-  every global batch; all take the same steps (a signal on any process stops all at the same step);
-- every `trainer.checkpoint_every` steps and at the end: learner state, data position and the run's config
-  (`checkpoint.Checkpointer`); a workdir that holds a checkpoint resumes from it (a changed config is refused
-  with the differing fields named unless `trainer.allow_config_change`);
-- `WORKDIR/metrics.jsonl` (one row per step, exactly once across resumes), TensorBoard, a progress line;
+One flat function in sections, as big_vision's train.py: task and model -> learner -> checkpoint (resume) -> warm
+start -> actors -> loop -> final eval and save (docs/design.md, Data flow). Rules it keeps:
+- async mode: `sampler.num_threads` actor threads play with the newest computed weights and fill the bounded
+  queue while the learner updates (the next batch drawn, packed and placed during the update); sync mode plays
+  a batch with the current weights, then updates. The policy version is the learner step; new weights are
+  published (resharded onto the actors' devices, `mesh.actor_devices`) after every update;
+- every trajectory that is not trained on is counted: stale (`dropped/stale`, of which `stale_in_flight` ended
+  early by the actors), unbootstrappable (`dropped/pack`), failed env or verifier (`failed/env_error`,
+  `failed/env_timeout`, logged with its prompt); `learner/wait_fraction` is the share of time no update ran;
+- several processes run the same loop on their own share of the prompts (`ProcessShard`) and local devices, each
+  feeding `batch_size / P` rows of every global batch; a signal on any of them stops all at the same step;
+- checkpoints (every `trainer.checkpoint_every` steps and at the end) hold the learner state, each process's data
+  position and the config; a workdir with one resumes from it (a changed config refused, naming the fields, unless
+  `trainer.allow_config_change`); `metrics.jsonl` has every step exactly once across resumes;
 - SIGTERM / SIGINT finish the current step, save and return.
 """
 
