@@ -31,9 +31,8 @@ from sao_jax import structs
 from sao_jax.envs.base import Task
 from sao_jax.generate.config import GenerateConfig
 from sao_jax.generate.slots import SlotSampler
-from sao_jax.generate.static import Sampler
 from sao_jax.generate.weights import WeightPublisher, WeightsSource
-from sao_jax.rollout.backends import SamplerBackend, task_stop_ids
+from sao_jax.rollout.backends import SamplerBackend, make_backend, task_stop_ids
 from sao_jax.rollout.continuous import ContinuousRunner
 from sao_jax.rollout.episodes import EpisodeLimits, episode_seed, run_episodes
 from sao_jax.rollout.prompts import PromptSource
@@ -50,14 +49,11 @@ def make_engine(publisher: WeightPublisher, tokenizer: Tokenizer, task: Task, se
   holds `episodes_per_call(group_size)` episodes at once."""
   model, version = publisher.latest()
   rows = settings.episodes_per_call(group_size)
-  stop_ids = task_stop_ids(task, tokenizer)
-  if settings.continuous:
-    return SlotSampler.from_settings(WeightsSource(model, version=version), settings, num_slots=rows,
-                                     stop_ids=stop_ids, pad_id=tokenizer.pad_id, cache_sharding=cache_sharding)
-  sampler = Sampler(model, stop_ids=stop_ids, pad_id=tokenizer.pad_id, prompt_buckets=settings.prompt_buckets or None,
-                    version=version)
-  return SamplerBackend(None, stop_ids=stop_ids, pad_id=tokenizer.pad_id, max_total_len=settings.max_seq_len,
-                        min_rows=rows, sampler=sampler)
+  if not settings.continuous:
+    return make_backend(model, tokenizer, task, settings, batch_size=rows, version=version)
+  return SlotSampler.from_settings(WeightsSource(model, version=version), settings, num_slots=rows,
+                                   stop_ids=task_stop_ids(task, tokenizer), pad_id=tokenizer.pad_id,
+                                   cache_sharding=cache_sharding)
 
 
 class _Follower:
