@@ -296,6 +296,13 @@ _NAMED: dict[str, dict[str, Any]] = {
                         rope_scaling={'rope_type': 'llama3', 'factor': 32.0, 'low_freq_factor': 1.0,
                                       'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192},
                         bos_id=128000, eos_ids=(128001, 128008, 128009), pad_id=128004, max_position=131072),
+    # Shapes for planning (`sao_jax.tools.aot`; weights come from `config.model.hf_dir`): Qwen/Qwen3-8B, Qwen3-32B.
+    'qwen3-8b': dict(vocab_size=151936, embed_dim=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                     mlp_dim=12288, rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=False, qk_norm=True,
+                     bos_id=151643, eos_ids=(151645, 151643), pad_id=151643, max_position=40960),
+    'qwen3-32b': dict(vocab_size=151936, embed_dim=5120, num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128,
+                      mlp_dim=25600, rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=False, qk_norm=True,
+                      bos_id=151643, eos_ids=(151645, 151643), pad_id=151643, max_position=40960),
 }
 
 MODEL_NAMES = tuple(_NAMED)
@@ -303,7 +310,7 @@ MODEL_NAMES = tuple(_NAMED)
 
 def get_model_config(name: str, **overrides) -> ModelConfig:
   """Returns the named config ('tiny', 'demo', 'bench-25m', 'smollm2-135m', 'qwen2.5-0.5b', 'qwen3-0.6b',
-  'llama3.2-1b') with `overrides` applied (e.g. dtype='bfloat16', remat=True)."""
+  'llama3.2-1b', 'qwen3-8b', 'qwen3-32b') with `overrides` applied (e.g. dtype='bfloat16', remat=True)."""
   if name not in _NAMED:
     raise ValueError(f'Unknown model config {name!r}; known: {", ".join(MODEL_NAMES)}.')
   kwargs = dict(_NAMED[name], name=name)
