@@ -22,6 +22,28 @@ from sao_jax.models.config import MODEL_NAMES, ModelConfig, get_model_config
 from sao_jax.models.llama import Decoder
 
 
+def _overrides(m: Any) -> dict[str, Any]:
+  """The `ModelConfig` fields `config.model` sets over a named or HF architecture."""
+  return {'dtype': str(m.dtype), 'remat': bool(getattr(m, 'remat', False))}
+
+
+def model_config_of(model_config: Any) -> ModelConfig:
+  """The policy's `ModelConfig` as `build` makes it, without weights (an HF directory's `config.json` only).
+
+  Raises:
+    ConfigError: `name='hf'` without `hf_dir`, or an unknown name.
+  """
+  m = getattr(model_config, 'model', model_config)
+  hf_dir = str(getattr(m, 'hf_dir', '') or '')
+  if hf_dir:
+    return ModelConfig.from_hf_config(hf_io.read_hf_config(hf_dir), **_overrides(m))
+  if m.name == 'hf':
+    raise ConfigError("config.model.name='hf' needs config.model.hf_dir (an HF checkpoint directory).")
+  if m.name not in MODEL_NAMES:
+    raise ConfigError(f'config.model.name={m.name!r}: expected one of {", ".join(MODEL_NAMES)} or "hf".')
+  return get_model_config(m.name, **_overrides(m))
+
+
 def build(model_config: Any, *, mesh: Mesh | None = None, rules: Sequence[Any] | None = None,
           seed: int = 0) -> tuple[Decoder, ModelConfig]:
   """Builds the policy named by `config.model`.
@@ -39,15 +61,10 @@ def build(model_config: Any, *, mesh: Mesh | None = None, rules: Sequence[Any] |
     ConfigError: `name='hf'` without `hf_dir`, or an unknown name.
   """
   m = getattr(model_config, 'model', model_config)
-  overrides = {'dtype': str(m.dtype), 'remat': bool(getattr(m, 'remat', False))}
   hf_dir = str(getattr(m, 'hf_dir', '') or '')
   if hf_dir:
-    return hf_io.load_hf(hf_dir, mesh=mesh, rules=rules, **overrides)
-  if m.name == 'hf':
-    raise ConfigError("config.model.name='hf' needs config.model.hf_dir (an HF checkpoint directory).")
-  if m.name not in MODEL_NAMES:
-    raise ConfigError(f'config.model.name={m.name!r}: expected one of {", ".join(MODEL_NAMES)} or "hf".')
-  cfg = get_model_config(m.name, **overrides)
+    return hf_io.load_hf(hf_dir, mesh=mesh, rules=rules, **_overrides(m))
+  cfg = model_config_of(m)
 
   def make() -> Decoder:
     return Decoder(cfg, rngs=nnx.Rngs(seed))
