@@ -113,6 +113,16 @@ def exact_admissions(cfg: ModelConfig, chunk: int, platform: str) -> bool:
   return platform == 'cpu' and 2 * cfg.num_params(include_embedding=False) * chunk >= 1e9
 
 
+GRANULE = 64  # Slots of the cache and its windows come in multiples of this (aligned attention reads).
+CHUNK_BUCKETS = (16, 32, 64)  # Admission chunks (`SlotSampler`'s default; a prompt is admitted in such pieces).
+
+
+def cache_length(max_seq_len: int, chunk_buckets: Sequence[int] = CHUNK_BUCKETS) -> int:
+  """Slots of a slot cache for episodes of `max_seq_len` tokens: a slot holds at most max_seq_len - 1 tokens (its
+  last token is pending) and a chunk write reaches up to the largest bucket past it."""
+  return -(-(int(max_seq_len) + max(chunk_buckets)) // GRANULE) * GRANULE
+
+
 class SlotSampler:
   """Continuous batching over `num_slots` decode slots (see the module docstring).
 
@@ -140,7 +150,7 @@ class SlotSampler:
   """
 
   def __init__(self, source: SnapshotSource, *, num_slots: int, max_seq_len: int, stop_ids: Sequence[int],
-               pad_id: int, chunk_buckets: Sequence[int] = (16, 32, 64), decode_steps: int = 16,
+               pad_id: int, chunk_buckets: Sequence[int] = CHUNK_BUCKETS, decode_steps: int = 16,
                num_windows: int = 8, num_admit_windows: int = 3, prefix_cache: bool = True,
                device_refill: bool = False, queue_chunk: int | None = None,
                cache_sharding: jax.sharding.Sharding | None = None):
@@ -157,10 +167,8 @@ class SlotSampler:
     if not self.chunk_buckets or self.chunk_buckets[0] < 1:
       raise ValueError(f'SlotSampler chunk_buckets must be positive, got {chunk_buckets!r}.')
     self.decode_steps = int(decode_steps)
-    # A slot holds at most max_seq_len - 1 tokens (its last token is pending); a chunk write reaches up to
-    # the largest bucket past it. Granule 64 keeps the attention reads aligned.
-    granule = 64
-    self.cache_len = -(-(self.max_seq_len + self.chunk_buckets[-1]) // granule) * granule
+    granule = GRANULE
+    self.cache_len = cache_length(self.max_seq_len, self.chunk_buckets)
     self.windows = decode_windows(self.cache_len, granule=granule, max_segments=max(1, int(num_windows)))
     step = -(-self.cache_len // max(1, int(num_admit_windows)) // granule) * granule
     self.admit_windows = tuple(range(step, self.cache_len, step)) + (self.cache_len,)

@@ -49,16 +49,17 @@ def critic_trainable(freeze_attention: bool):
   return nnx.Param
 
 
-def default_critic(policy: ModelOrFn, seed: int) -> ModelOrFn:
-  """The SAO critic: the policy's backbone plus a zero-initialised scalar head (a module if `policy` is one)."""
+def default_critic(policy: ModelOrFn, seed: int, remat: str = '') -> ModelOrFn:
+  """The SAO critic: the policy's backbone plus a zero-initialised scalar head (a module if `policy` is one), with
+  its own remat policy `remat` ('' = the policy's; `config.model.critic_remat`)."""
   from sao_jax.models import value as value_lib  # pylint: disable=g-import-not-at-top
 
   if isinstance(policy, nnx.Module):
-    return value_lib.ValueModel.from_policy(policy, rngs=nnx.Rngs(seed))
+    return value_lib.ValueModel.from_policy(policy, rngs=nnx.Rngs(seed), remat=remat)
 
   def make():
     with nnx.use_eager_sharding(False):
-      return value_lib.ValueModel.from_policy(policy(), rngs=nnx.Rngs(seed))
+      return value_lib.ValueModel.from_policy(policy(), rngs=nnx.Rngs(seed), remat=remat)
   return make
 
 
@@ -93,6 +94,7 @@ class LearnerConfig:
     mesh: the learner mesh's axis sizes (`config.mesh`'s data, fsdp, tensor): the default mesh over all devices.
     rules: logical axis name -> mesh axes (`config.mesh.rules`).
     seed: `config.seed` (the default critic's head is initialised from `seed + 1`).
+    critic_remat: the default critic's remat policy (`config.model.critic_remat`; '' = the policy's).
   """
   step: algo_lib.StepConfig
   optim: optim_lib.OptimConfig
@@ -101,16 +103,18 @@ class LearnerConfig:
   mesh: tuple[tuple[str, int], ...]
   rules: tuple[Any, ...]
   seed: int
+  critic_remat: str = ''
 
   @classmethod
   def from_config(cls, config: Any) -> LearnerConfig:
-    """The learner's settings of `config` (`algo`, `optim`, `trainer`, `mesh`, `seed`), after the algorithm's and
-    the optimizer's checks."""
+    """The learner's settings of `config` (`algo`, `optim`, `trainer`, `mesh`, `seed`, `model.critic_remat`), after
+    the algorithm's and the optimizer's checks."""
     config = algo_lib.resolve(config)[0]  # The algorithm's preset filled in (e.g. frozen attention).
     return cls(step=algo_lib.StepConfig.from_config(config), optim=optim_lib.OptimConfig.from_config(config),
                horizons=optim_lib.optimizer_horizons(config), batch_size=int(config.trainer.batch_size),
                mesh=tuple((axis, int(config.mesh[axis])) for axis in parallel.MESH_AXES),
-               rules=tuple(config.mesh.rules), seed=int(config.seed))
+               rules=tuple(config.mesh.rules), seed=int(config.seed),
+               critic_remat=str(config.model.get('critic_remat', '')))
 
 
 class Learner:
@@ -122,10 +126,13 @@ class Learner:
     critic: the value model (or a function); default `ValueModel.from_policy(policy)` for `sao`/`ppo`.
     mesh: the learner mesh (default `parallel.make_mesh` of `settings.mesh` over all devices).
     model_config: the policy's `ModelConfig`, for layout checks (heads divisible by `tensor`).
+    abstract: hold the state as `jax.ShapeDtypeStruct`s with their shardings and allocate nothing (`policy` and
+      `critic` must be functions): only `lower_update` / `compile_update` work. The ahead-of-time plan
+      (`sao_jax.tools.aot`) compiles a model of any size this way, on a topology's devices.
   """
 
   def __init__(self, settings: LearnerConfig, *, policy: ModelOrFn, critic: ModelOrFn | None = None,
-               mesh: Mesh | None = None, model_config: Any = None):
+               mesh: Mesh | None = None, model_config: Any = None, abstract: bool = False):
     self.settings = settings
     self.step_config = cfg = settings.step
     self.mesh = mesh if mesh is not None else parallel.make_mesh(dict(settings.mesh))
@@ -138,19 +145,24 @@ class Learner:
     policy_updates, critic_updates = settings.horizons
     tx_at = functools.partial(optim_lib.optimizer_at, o)  # The optimizers' numbers are inputs of the update.
     policy_hp = optim_lib.optim_hparams(o, o.actor_lr, policy_updates)
+    self.abstract = abstract
     self.policy_spec, policy_state, policy_sh = state_lib.create_train_state(
-        policy, tx_at(policy_hp), self.mesh, rules)
+        policy, tx_at(policy_hp), self.mesh, rules, abstract_only=abstract)
     self.policy_spec = dataclasses.replace(self.policy_spec, tx_at=tx_at)
     rep = parallel.replicated(self.mesh)
     self.critic_spec, critic_state, critic_sh, critic_hp = None, None, None, None
     if cfg.uses_critic:
       if critic is None:
-        critic = default_critic(policy, settings.seed + 1)
+        critic = default_critic(policy, settings.seed + 1, settings.critic_remat)
       critic_hp = optim_lib.optim_hparams(o, o.critic_lr, critic_updates)
       self.critic_spec, critic_state, critic_sh = state_lib.create_train_state(
-          critic, tx_at(critic_hp), self.mesh, rules, trainable=critic_trainable(o.freeze_critic_attention))
+          critic, tx_at(critic_hp), self.mesh, rules, trainable=critic_trainable(o.freeze_critic_attention),
+          abstract_only=abstract)
       self.critic_spec = dataclasses.replace(self.critic_spec, tx_at=tx_at)
-    step0 = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=rep)()
+    if abstract:
+      step0 = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+    else:
+      step0 = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=rep)()
     self.state = state_lib.LearnerState(policy=policy_state, critic=critic_state, step=step0)
     self.state_shardings = state_lib.LearnerState(policy=policy_sh, critic=critic_sh, step=rep)
 
@@ -160,7 +172,10 @@ class Learner:
       model = state_lib.merge(self.policy_spec, policy_state)
       self.ref_graphdef, ref = nnx.split(model)
       ref_sh = parallel.tree_shardings(ref, self.mesh, rules)
-      self.ref_state = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=ref_sh)(ref)
+      if abstract:
+        self.ref_state = state_lib.abstract(ref, ref_sh)
+      else:
+        self.ref_state = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=ref_sh)(ref)
 
     if cfg.uses_critic:
       fn = steps_lib.make_sao_step(cfg, self.policy_spec, self.critic_spec, self.mesh, self.ref_graphdef)
@@ -170,7 +185,7 @@ class Learner:
     # config or a sweep that changes only numbers runs the same compiled program (the persistent cache's hit).
     hparams = steps_lib.step_hparams(cfg, policy_hp, critic_hp)
     hparams_sh = jax.tree.map(lambda _: rep, hparams)
-    self.hparams = state_lib.place(hparams, hparams_sh)
+    self.hparams = (state_lib.abstract if abstract else state_lib.place)(hparams, hparams_sh)
     batch_sh = Batch.map_fields(lambda _, rank: parallel.batch_sharding(self.mesh, rank))
     self._step_fn = jax.jit(fn, in_shardings=(self.state_shardings, batch_sh, ref_sh, hparams_sh),
                             out_shardings=(self.state_shardings, rep), donate_argnums=(0,))
@@ -218,12 +233,15 @@ class Learner:
       if (rows, int(seq_len)) in self._compiled:
         continue
       t0 = time.perf_counter()
-      shape = (rows, int(seq_len))
-      batch = Batch.map_fields(lambda k, rank, shape=shape: jax.ShapeDtypeStruct(
-          shape[:rank], BATCH_FIELDS[k][1], sharding=getattr(self._batch_shardings, k)))
-      self._compiled[shape] = self._step_fn.lower(self.state, batch, self.ref_state, self.hparams).compile()
+      self._compiled[(rows, int(seq_len))] = self.lower_update(rows, int(seq_len)).compile()
       logging.info('Compiled the learner update for batches of %d x %d tokens in %.1f s.', rows, seq_len,
                    time.perf_counter() - t0)
+
+  def lower_update(self, rows: int, seq_len: int) -> jax.stages.Lowered:
+    """The update lowered for global batches of `rows` x `seq_len` tokens (shapes and shardings only)."""
+    batch = Batch.map_fields(lambda k, rank: jax.ShapeDtypeStruct(
+        (rows, seq_len)[:rank], BATCH_FIELDS[k][1], sharding=getattr(self._batch_shardings, k)))
+    return self._step_fn.lower(self.state, batch, self.ref_state, self.hparams)
 
   def update(self, batch: Batch) -> dict[str, float]:
     """One learner step on `batch`; returns host metrics (floats) including throughput.

@@ -90,8 +90,18 @@ def place(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(one, tree, shardings)
 
 
+def abstract(tree: Any, shardings: Any) -> Any:
+  """`jax.ShapeDtypeStruct`s of `tree`'s arrays (concrete or abstract) carrying `shardings` (a tree of the same
+  structure): what `jax.jit(...).lower` takes to compile a program without allocating its inputs."""
+  def one(x, s):
+    if not hasattr(x, 'dtype'):
+      x = np.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+  return jax.tree.map(one, tree, shardings)
+
+
 def create_train_state(model: nnx.Module | Callable[[], nnx.Module], tx: optax.GradientTransformation,
-                       mesh: Mesh, rules, *, trainable: Any = nnx.Param
+                       mesh: Mesh, rules, *, trainable: Any = nnx.Param, abstract_only: bool = False
                        ) -> tuple[ModelSpec, TrainState, TrainState]:
   """Builds a sharded train state.
 
@@ -102,6 +112,8 @@ def create_train_state(model: nnx.Module | Callable[[], nnx.Module], tx: optax.G
     mesh: learner mesh.
     rules: `config.mesh.rules`.
     trainable: nnx filter of the leaves that train (e.g. `nnx.All(nnx.Param, nnx.Not(CRITIC_ATTENTION))`).
+    abstract_only: the state as `jax.ShapeDtypeStruct`s with their shardings (`abstract`): nothing is allocated,
+      so a model of any size can be planned on a small host (`model` must then be a function).
 
   Returns:
     `(spec, state, shardings)`: static spec, the state, and a `TrainState` of `NamedSharding`s
@@ -117,16 +129,26 @@ def create_train_state(model: nnx.Module | Callable[[], nnx.Module], tx: optax.G
     graphdef, abs_params, abs_rest = _abstract_split(split_fn)
     p_sh = parallel.tree_shardings(abs_params, mesh, rules)
     r_sh = parallel.tree_shardings(abs_rest, mesh, rules)
-    params, rest = jax.jit(lambda: split_fn()[1:], out_shardings=(p_sh, r_sh))()
+    if abstract_only:
+      params, rest = abstract(abs_params, p_sh), abstract(abs_rest, r_sh)
+    else:
+      params, rest = jax.jit(lambda: split_fn()[1:], out_shardings=(p_sh, r_sh))()
+  elif abstract_only:
+    raise ValueError('create_train_state(abstract_only=True) takes a function that creates the model.')
   else:
     graphdef, params, rest = nnx.split(model, trainable, ...)
     p_sh = parallel.tree_shardings(params, mesh, rules)
     r_sh = parallel.tree_shardings(rest, mesh, rules)
     params, rest = place(params, p_sh), place(rest, r_sh)
-  o_sh = parallel.tree_shardings(jax.eval_shape(tx.init, params), mesh, rules)
-  opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+  abs_opt = jax.eval_shape(tx.init, params)
+  o_sh = parallel.tree_shardings(abs_opt, mesh, rules)
   rep = parallel.replicated(mesh)
-  counters = jax.jit(lambda: (_counter(), _counter(), _counter()), out_shardings=(rep, rep, rep))()
+  if abstract_only:
+    opt_state = abstract(abs_opt, o_sh)
+    counters = tuple(jax.ShapeDtypeStruct((), jnp.int32, sharding=rep) for _ in range(3))
+  else:
+    opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+    counters = jax.jit(lambda: (_counter(), _counter(), _counter()), out_shardings=(rep, rep, rep))()
   state = TrainState(params, rest, opt_state, *counters)
   shardings = TrainState(p_sh, r_sh, o_sh, rep, rep, rep)
   return ModelSpec(graphdef, tx, trainable), state, shardings

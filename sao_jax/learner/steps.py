@@ -42,6 +42,8 @@ The whole-batch forward passes (critic values, proximal log-probs) run per micro
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +61,20 @@ from sao_jax.learner import algo as algo_lib
 from sao_jax.learner import state as state_lib
 from sao_jax.models import logprobs as logprobs_lib
 from sao_jax.structs import Batch
+
+# XLA's cost analysis counts a loop's body once: the ahead-of-time plan traces the step with its minibatch and
+# microbatch loops unrolled (`unrolled_loops`) to count every pass. Runs never set it.
+_UNROLL: contextvars.ContextVar[bool] = contextvars.ContextVar('unroll_update_loops', default=False)
+
+
+@contextlib.contextmanager
+def unrolled_loops():
+  """Steps traced inside this block unroll their `lax.scan`s over minibatches and microbatches (same values)."""
+  token = _UNROLL.set(True)
+  try:
+    yield
+  finally:
+    _UNROLL.reset(token)
 
 Metrics = dict[str, jax.Array]
 Hparams = dict[str, Any]  # `StepConfig.hparams()`: host scalars, or the jitted step's inputs.
@@ -111,8 +127,10 @@ def guarded_apply(spec: state_lib.ModelSpec, ts: state_lib.TrainState, grads: An
 
   The optimizer is `spec.tx`, or `spec.tx_at(opt_hparams)` when hyperparameters are given (runtime inputs).
   Skipped updates leave `params` and `opt_state` bit-identical (selected with `jnp.where`), count in
-  `skipped` and extend `consecutive_skips`; an applied update resets the latter.
+  `skipped` and extend `consecutive_skips`; an applied update resets the latter. Gradients are widened to float32
+  first (those of bfloat16 parameters are bfloat16): the norm, the clip and the update are float32 math.
   """
+  grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
   grad_norm = optax.tree.norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   tx = spec.tx if opt_hparams is None else spec.tx_at(opt_hparams)
@@ -237,8 +255,8 @@ def _grad_and_metrics(spec: state_lib.ModelSpec, ts: state_lib.TrainState, mb: A
     (_, (_, out)), grads = jax.value_and_grad(at, has_aux=True)(ts.params, rows, scale)
     return jax.tree.map(jnp.add, acc, grads), jax.lax.stop_gradient(out)
 
-  zeros = jax.tree.map(jnp.zeros_like, ts.params)
-  grads, outs = jax.lax.scan(micro, zeros, jnp.arange(parts, dtype=jnp.int32))
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), ts.params)  # Sums in float32 (bf16 params too).
+  grads, outs = jax.lax.scan(micro, zeros, jnp.arange(parts, dtype=jnp.int32), unroll=_UNROLL.get())
   loss, metrics = objective.loss(join_parts(outs, mesh), mb, _whole)
   return loss, metrics, grads
 
@@ -263,7 +281,7 @@ def run_updates(spec: state_lib.ModelSpec, ts: state_lib.TrainState, data: Any, 
     ts, guard = guarded_apply(spec, ts, grads, loss, opt_hparams)
     return ts, {'loss': loss, **metrics, **guard}
 
-  ts, stacked = jax.lax.scan(body, ts, jnp.arange(epochs * n, dtype=jnp.int32))
+  ts, stacked = jax.lax.scan(body, ts, jnp.arange(epochs * n, dtype=jnp.int32), unroll=_UNROLL.get())
   return ts, _mean_metrics(stacked)
 
 
