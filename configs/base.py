@@ -71,6 +71,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   o.eps = 1e-8  # AdamW epsilon.
   o.weight_decay = 0.0  # AdamW decoupled weight decay.
   o.grad_clip = 1.0  # Global-norm gradient clipping (0 = off).
+  o.state_dtype = 'float32'  # Storage dtype of AdamW's moments mu and nu: float32, or bfloat16 (half their memory;
+  # the update itself is computed in float32).
   o.freeze_critic_attention = placeholder(bool)  # [preset] Critic attention weights get no gradient (SAO: on).
   o.max_consecutive_skips = 5  # Stop the run after this many consecutive non-finite updates.
 
@@ -78,9 +80,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model = m = ml_collections.ConfigDict()
   m.name = 'tiny'  # Named config (tiny, smollm2-135m, qwen2.5-0.5b, qwen3-0.6b, llama3.2-1b) or 'hf'.
   m.hf_dir = ''  # HF checkpoint directory (config.json, safetensors, tokenizer.json) to load weights from.
-  m.dtype = 'float32'  # Compute dtype: float32 or bfloat16 (params stay float32).
+  m.dtype = 'float32'  # Compute dtype: float32 or bfloat16 (parameters are cast to it at use).
+  m.param_dtype = 'float32'  # Storage dtype of the policy's and the critic's parameters and gradients: float32, or
+  # bfloat16 (half their memory; an update smaller than ~2^-8 of a weight is lost: sao_jax/learner/optim.py).
   m.tokenizer = 'char'  # 'char' (synthetic tasks) or 'hf' (tokenizer.json of hf_dir).
-  m.remat = False  # Rematerialise decoder blocks in the backward pass (saves memory).
+  # Rematerialisation of the policy's decoder blocks in the backward pass (activation memory against recompute):
+  # none, full (keep only each block's input), dots_saveable (keep every matmul output), or
+  # dots_with_no_batch_dims_saveable (keep the weight matmuls' outputs, recompute attention scores); the old
+  # True / False mean full / none.
+  m.remat = ml_collections.FieldReference('none', field_type=object)
+  m.critic_remat = ''  # The critic's remat policy (same names; '' = the policy's config.model.remat).
   # Precision of float32 matmuls in every program of the run (jax_default_matmul_precision): 'default' is the
   # backend's (one bf16 pass on TPU, TF32 on NVIDIA GPUs: the sampler's and the learner's log-probs of a token then
   # differ in the 4th decimal, as they come from different programs: docs/benchmarks/accelerators.md), 'high'

@@ -3,8 +3,9 @@
 `validate(config)` resolves the algorithm's preset (`learner.algo.resolve`) and composes every check:
 
 1. the fields: every leaf of `configs/base.py` (`defaults()`, the knob list's one source) has the type of its
-   default (`field_types`: bool / int / float / str / tuple; floats finite), a leaf that base.py does not have is
-   refused, and `FIELDS` adds a range or a choice where a field has one;
+   default (`field_types`: bool / int / float / str / tuple; floats finite; `object` for `model.remat`, a policy
+   name or the old bool), a leaf that base.py does not have is refused, and `FIELDS` adds a range or a choice where
+   a field has one;
 2. relations between fields (`max_seq_len > max_new_tokens`, the largest sequence bucket holds an episode, ...);
 3. each module's own check, kept where its rule lives and shared with the module's constructor: the learner's
    (`learner.algo.check_config`), the optimizer's (`learner.optim.check_config`), the checkpointer's
@@ -180,7 +181,13 @@ FIELDS: dict[str, Check] = {
     'optim.weight_decay': _bounds(ge=0.0),
     'optim.grad_clip': _bounds(ge=0.0, why='0 turns clipping off.'),
     'optim.max_consecutive_skips': _bounds(ge=1, why='It stops a run of non-finite updates; 0 would never stop it.'),
+    'optim.state_dtype': _choice(optim_lib.STATE_DTYPES),
     # ---- model (name, hf_dir, dtype, tokenizer: _check_model)
+    'model.param_dtype': _choice(model_config_lib.DTYPES),
+    'model.remat': Check(lambda v: isinstance(v, bool) or v in model_config_lib.REMAT_POLICIES,
+                         f'is not one of {list(model_config_lib.REMAT_POLICIES)} (or True = full, False = none).'),
+    'model.critic_remat': Check(lambda v: v in ('', *model_config_lib.REMAT_POLICIES),
+                                f"is not '' (the policy's remat) or one of {list(model_config_lib.REMAT_POLICIES)}."),
     'model.matmul_precision': _choice(MATMUL_PRECISIONS),
     # ---- sampler
     'sampler.temperature': _bounds(gt=0.0),
@@ -321,10 +328,11 @@ def _check_model(config: ml_collections.ConfigDict) -> model_config_lib.ModelCon
         hf = hf_io.read_hf_config(m.hf_dir)
       except (OSError, ValueError) as e:
         raise ConfigError(f'config.model.hf_dir={m.hf_dir!r}: {e}') from e
-      model_cfg = model_config_lib.ModelConfig.from_hf_config(hf, dtype=m.dtype, remat=m.remat)
+      model_cfg = model_config_lib.ModelConfig.from_hf_config(hf, dtype=m.dtype, param_dtype=m.param_dtype,
+                                                              remat=m.remat)
     else:
-      model_cfg = model_config_lib.get_model_config(m.name, dtype=m.dtype, remat=m.remat)
-  except ValueError as e:  # The only override a named config can refuse is the dtype.
+      model_cfg = model_config_lib.get_model_config(m.name, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+  except ValueError as e:  # The only override a named config can refuse is the dtype (FIELDS checked the others).
     raise ConfigError(f'config.model.dtype={m.dtype!r} (config.model.name={m.name!r}): {e}') from e
   if m.tokenizer == 'char':
     vocab = CharTokenizer().vocab_size
@@ -393,4 +401,10 @@ def validate(config: ml_collections.ConfigDict, *, for_run: bool = False,
       logging.info('clip_mode=double_side with sampler temperature=%s top_p=%s top_k=%s: the ratio is taken to '
                    'the log-probs of the distribution actually sampled from (recorded by the sampler).',
                    s.temperature, s.top_p, s.top_k)
+    o = resolved.optim
+    if resolved.model.param_dtype == 'bfloat16':
+      logging.warning('config.model.param_dtype=bfloat16: an update smaller than ~2^-8 of a weight rounds away (no '
+                      'float32 master copy); an AdamW step is about lr, so weights with |w| > 2^9 lr never move: '
+                      '|w| > %.2g for the policy (optim.actor_lr=%g), > %.2g for the critic (optim.critic_lr=%g). '
+                      'See sao_jax/learner/optim.py.', 512 * o.actor_lr, o.actor_lr, 512 * o.critic_lr, o.critic_lr)
   return resolved

@@ -228,7 +228,7 @@ def _reset_critic(learner: Learner) -> None:
   if learner.critic_spec is None:
     return
   spec = learner.critic_spec
-  critic = learner_lib.default_critic(learner.policy_model(), learner.settings.seed + 1)
+  critic = learner_lib.default_critic(learner.policy_model(), learner.settings.seed + 1, learner.settings.critic_remat)
   _, ts, _ = state_lib.create_train_state(critic, spec.tx, learner.mesh, learner.settings.rules,
                                           trainable=spec.trainable)
   learner.state = learner.state.replace(critic=ts)

@@ -25,6 +25,7 @@ from sao_jax.learner import algo as algo_lib
 from sao_jax.learner import optim as optim_lib
 from sao_jax.learner import StepConfig
 from sao_jax.models import get_model_config
+from sao_jax.models.build import model_config_of
 
 # Written from the papers / docs/design.md, independently of `algo.PRESETS`: (path -> value) each name must run with.
 _EXPECTED = {
@@ -81,7 +82,8 @@ class FieldTableTest(parameterized.TestCase):
   def test_the_field_types_are_the_leaves_of_base(self):
     types = config_lib.field_types()
     self.assertEqual(list(types), config_lib.leaf_paths(base.get_config()))
-    self.assertContainsSubset(set(types.values()), {bool, int, float, str, tuple, Mapping})
+    self.assertContainsSubset(set(types.values()), {bool, int, float, str, tuple, Mapping, object})
+    self.assertEqual([p for p, kind in types.items() if kind is object], ['model.remat'])  # A name or the old bool.
     self.assertIs(types['task.kwargs'], Mapping)  # Owned by the task: one field, its keys checked by the task.
     self.assertIs(types['algo.eps_low'], float)  # A placeholder carries its type.
     self.assertIs(types['algo.group_std_normalize'], bool)
@@ -145,6 +147,19 @@ class FieldTableTest(parameterized.TestCase):
     with self.assertRaisesRegex(ConfigError, r'config\.task\.kwargs=3 has type int; expected Mapping'):
       config_lib.validate(c, log=False)
 
+  def test_memory_knobs_reach_the_model_config(self):
+    # config.model.remat takes a policy name or the old bool (True = full, False = none), from a config file or
+    # the command line (where `--config.model.remat=True` parses to the bool).
+    for remat, want in ((True, 'full'), (False, 'none'), ('dots_with_no_batch_dims_saveable',) * 2):
+      c = base.get_config()
+      c.model.remat = remat
+      c.model.param_dtype = 'bfloat16'
+      c.model.critic_remat = 'full'
+      c.optim.state_dtype = 'bfloat16'
+      config_lib.validate(c, log=False)
+      cfg = model_config_of(c.model)
+      self.assertEqual((cfg.remat, cfg.param_dtype), (want, 'bfloat16'))
+
   @parameterized.parameters('base', 'arith', 'calculator', 'code', 'drift', 'imo', 'math')
   def test_shipped_configs_validate_without_ablations(self, name):
     c = _config(name)
@@ -192,6 +207,11 @@ class BadConfigTest(parameterized.TestCase):
       ('process_id_negative', {'distributed.process_id': -1}, 'distributed.process_id'),
       ('model_gpt5', {'model.name': 'gpt5'}, 'model.name'),
       ('model_dtype', {'model.dtype': 'float16'}, 'model.dtype'),
+      ('param_dtype', {'model.param_dtype': 'float16'}, 'model.param_dtype'),
+      ('remat_name', {'model.remat': 'everything'}, 'model.remat'),
+      ('remat_int', {'model.remat': 1}, 'model.remat'),
+      ('critic_remat', {'model.critic_remat': 'none '}, 'model.critic_remat'),
+      ('state_dtype', {'optim.state_dtype': 'float16'}, 'optim.state_dtype'),
       ('matmul_precision', {'model.matmul_precision': 'tf32'}, 'model.matmul_precision'),
       ('tokenizer_sentencepiece', {'model.tokenizer': 'sentencepiece'}, 'model.tokenizer'),
       ('tokenizer_hf_without_dir', {'model.tokenizer': 'hf'}, 'model.hf_dir'),

@@ -37,7 +37,7 @@ _SEQ = flags.DEFINE_integer('seq', 512, 'Tokens per sequence.')
 _STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps (after one compile + warm-up step).')
 _LOSS = flags.DEFINE_enum('loss', 'full', ['full', 'chunked'],
                           "'full': logits [B,T,V] + log_softmax; 'chunked': models.logprobs.token_logprobs.")
-_REMAT = flags.DEFINE_bool('remat', False, 'Rematerialise blocks.')
+_REMAT = flags.DEFINE_enum('remat', 'none', config_lib.REMAT_POLICIES, 'Remat policy of the blocks.')
 _SCAN = flags.DEFINE_bool('scan_layers', False, 'lax.scan over layers (default: unrolled, 7 layers compile fast).')
 _MICRO = flags.DEFINE_integer(
     'microbatches', 4, 'Gradient accumulation over this many microbatches per step (1 = the whole batch at once).')

@@ -23,8 +23,11 @@ from sao_jax.models.llama import Decoder
 
 
 def _overrides(m: Any) -> dict[str, Any]:
-  """The `ModelConfig` fields `config.model` sets over a named or HF architecture."""
-  return {'dtype': str(m.dtype), 'remat': bool(getattr(m, 'remat', False))}
+  """The `ModelConfig` fields `config.model` sets over a named or HF architecture: the compute `dtype`, the
+  parameters' storage `param_dtype` (an HF checkpoint's weights are cast to it) and the policy's `remat` policy
+  (the old bools too: `models.config.remat_policy`)."""
+  return {'dtype': str(m.dtype), 'param_dtype': str(getattr(m, 'param_dtype', 'float32')),
+          'remat': getattr(m, 'remat', 'none')}
 
 
 def model_config_of(model_config: Any) -> ModelConfig:
@@ -49,7 +52,8 @@ def build(model_config: Any, *, mesh: Mesh | None = None, rules: Sequence[Any] |
   """Builds the policy named by `config.model`.
 
   Args:
-    model_config: `config.model` (`name`, `hf_dir`, `dtype`, `remat`); the full config is accepted too.
+    model_config: `config.model` (`name`, `hf_dir`, `dtype`, `param_dtype`, `remat`); the full config is accepted
+      too.
     mesh: place the parameters on this mesh (default: the first device).
     rules: logical-axis -> mesh-axis pairs (`config.mesh.rules`); None = replicated on `mesh`.
     seed: init seed of a named (randomly initialised) model.

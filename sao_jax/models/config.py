@@ -10,8 +10,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-_DTYPES = ('float32', 'bfloat16')
+DTYPES = ('float32', 'bfloat16')  # Compute and parameter storage dtypes.
 _ROPE_SCALING_TYPES = ('llama3',)
+# Rematerialisation of each decoder block in the backward pass, named after `jax.checkpoint_policies` (what the
+# forward pass keeps for the backward; the rest is recomputed): 'none' keeps everything (no remat); 'full' keeps
+# nothing but the block's input (`nothing_saveable`: least memory, one more forward pass of every block);
+# 'dots_saveable' keeps every matmul output (the elementwise ops, norms and softmax are recomputed);
+# 'dots_with_no_batch_dims_saveable' keeps the weight matmuls' outputs (projections, MLP) and recomputes the
+# attention scores and softmax (the batched matmuls: the T x T memory).
+REMAT_POLICIES = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable')
+
+
+def remat_policy(value: Any) -> str:
+  """A remat setting as a policy name of `REMAT_POLICIES`: a name as is; the old bool, True -> 'full', False ->
+  'none' (configs and checkpoints from before the policies).
+
+  Raises:
+    ValueError: any other value.
+  """
+  if isinstance(value, bool):
+    return 'full' if value else 'none'
+  if isinstance(value, str) and value in REMAT_POLICIES:
+    return value
+  raise ValueError(f'remat={value!r} is not one of {list(REMAT_POLICIES)} (or True = full, False = none).')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,11 +55,13 @@ class ModelConfig:
     qkv_bias: q/k/v projections have biases (Qwen2/2.5).
     qk_norm: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
     dtype: Compute dtype, 'float32' or 'bfloat16' (params stay in `param_dtype`).
-    param_dtype: Storage dtype of parameters ('float32').
+    param_dtype: Storage dtype of parameters, 'float32' or 'bfloat16' (also of their gradients; the optimizer's
+      math is float32: `sao_jax.learner.optim`).
     bos_id: Beginning-of-sequence token id (or None).
     eos_ids: Token ids that end generation.
     pad_id: Padding token id.
-    remat: Rematerialise each decoder block in the backward pass (saves activation memory).
+    remat: Rematerialisation policy of each decoder block in the backward pass (`REMAT_POLICIES`; saves
+      activation memory). The old bools are accepted and stored as names: True -> 'full', False -> 'none'.
     scan_layers: Run the stacked blocks with `lax.scan` (fast compiles) instead of an unrolled loop.
     attention_chunk: Query block of causal attention without a cache (blocks above the diagonal are
       skipped; 0 = one full [T, T] block). At most 16 blocks are used (the block grows with T).
@@ -63,7 +86,7 @@ class ModelConfig:
   bos_id: int | None = None
   eos_ids: tuple[int, ...] = ()
   pad_id: int = 0
-  remat: bool = False
+  remat: str = 'none'
   scan_layers: bool = True
   attention_chunk: int = 64
   max_position: int = 8192
@@ -81,10 +104,14 @@ class ModelConfig:
       raise ValueError(f'ModelConfig.attention_chunk must be an int >= 0, got {self.attention_chunk!r}.')
     if self.head_dim % 2:
       raise ValueError(f'ModelConfig.head_dim must be even for RoPE, got {self.head_dim}.')
-    if self.dtype not in _DTYPES:
-      raise ValueError(f'ModelConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}.')
-    if self.param_dtype not in _DTYPES:
-      raise ValueError(f'ModelConfig.param_dtype must be one of {_DTYPES}, got {self.param_dtype!r}.')
+    if self.dtype not in DTYPES:
+      raise ValueError(f'ModelConfig.dtype must be one of {DTYPES}, got {self.dtype!r}.')
+    if self.param_dtype not in DTYPES:
+      raise ValueError(f'ModelConfig.param_dtype must be one of {DTYPES}, got {self.param_dtype!r}.')
+    try:
+      object.__setattr__(self, 'remat', remat_policy(self.remat))
+    except ValueError as e:
+      raise ValueError(f'ModelConfig.{e}') from e
     if self.rope_scaling is not None:
       kind = self.rope_scaling.get('rope_type', self.rope_scaling.get('type'))
       if kind not in _ROPE_SCALING_TYPES:
@@ -310,7 +337,7 @@ MODEL_NAMES = tuple(_NAMED)
 
 def get_model_config(name: str, **overrides) -> ModelConfig:
   """Returns the named config ('tiny', 'demo', 'bench-25m', 'smollm2-135m', 'qwen2.5-0.5b', 'qwen3-0.6b',
-  'llama3.2-1b', 'qwen3-8b', 'qwen3-32b') with `overrides` applied (e.g. dtype='bfloat16', remat=True)."""
+  'llama3.2-1b', 'qwen3-8b', 'qwen3-32b') with `overrides` applied (e.g. dtype='bfloat16', remat='full')."""
   if name not in _NAMED:
     raise ValueError(f'Unknown model config {name!r}; known: {", ".join(MODEL_NAMES)}.')
   kwargs = dict(_NAMED[name], name=name)

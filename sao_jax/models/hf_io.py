@@ -157,10 +157,11 @@ def load_hf(hf_dir: str, *, dtype: str = 'float32', mesh: Mesh | None = None, ru
 
   Args:
     hf_dir: directory with config.json and *.safetensors.
-    dtype: compute dtype of the returned model ('float32' or 'bfloat16'; params are float32).
+    dtype: compute dtype of the returned model ('float32' or 'bfloat16').
     mesh: if given, every parameter is placed with `NamedSharding(mesh, spec)`, shard by shard.
     rules: logical-axis -> mesh-axis pairs (`config.mesh.rules`); None = replicated on `mesh`.
-    **config_overrides: extra `ModelConfig` fields (e.g. remat=True, scan_layers=False).
+    **config_overrides: extra `ModelConfig` fields (e.g. param_dtype='bfloat16': the weights are read as float32
+      and stored in that dtype; remat='full', scan_layers=False).
 
   Returns:
     (model, cfg).
@@ -215,7 +216,8 @@ def load_hf(hf_dir: str, *, dtype: str = 'float32', mesh: Mesh | None = None, ru
 
 
 def hf_state_dict(model: Decoder, cfg: ModelConfig | None = None) -> dict[str, np.ndarray]:
-  """The model's weights as an HF-named dict of float32 numpy arrays (gathered to host)."""
+  """The model's weights as an HF-named dict of float32 numpy arrays (gathered to host; bfloat16 parameters
+  widen exactly)."""
   cfg = cfg or model.cfg
   mapping = _param_map(cfg)
   out = {}
@@ -234,7 +236,8 @@ def hf_state_dict(model: Decoder, cfg: ModelConfig | None = None) -> dict[str, n
 
 
 def save_hf(model: Decoder, cfg: ModelConfig | None, out_dir: str, tokenizer_dir: str | None = None) -> None:
-  """Writes config.json, model.safetensors (float32) and the tokenizer files of `tokenizer_dir` to `out_dir`."""
+  """Writes config.json, model.safetensors (float32 whatever `cfg.param_dtype`; config.json says torch_dtype
+  float32) and the tokenizer files of `tokenizer_dir` to `out_dir`."""
   from safetensors.numpy import save_file
   cfg = cfg or model.cfg
   os.makedirs(out_dir, exist_ok=True)

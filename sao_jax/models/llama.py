@@ -8,9 +8,10 @@ Architecture (pre-norm): for each of L blocks,
         RoPE on q, k; grouped-query attention (N query heads share K key/value heads);
         softmax(q k^T / sqrt(H) + mask) v, then Wo.
 
-Parameters are float32 (`cfg.param_dtype`) and cast to `cfg.dtype` at use; norms, softmax and logits are
-float32. Blocks are stacked along a leading 'layers' axis (one `nnx.vmap`-created `Block`) and run with
-`lax.scan` (or an unrolled loop with `cfg.scan_layers=False`); `cfg.remat` rematerialises each block.
+Parameters are stored in `cfg.param_dtype` (float32 or bfloat16) and cast to `cfg.dtype` at use; norms, softmax
+and logits are float32. Blocks are stacked along a leading 'layers' axis (one `nnx.vmap`-created `Block`) and run
+with `lax.scan` (or an unrolled loop with `cfg.scan_layers=False`); `cfg.remat` names the policy that
+rematerialises each block (`models.config.REMAT_POLICIES`, `remat_policy_fn`).
 
 Parameter tree (logical axis names in brackets, `L` = layers):
   embed/embedding              [V, D]         ('vocab', 'embed')
@@ -53,7 +54,7 @@ import numpy as np
 from flax import nnx
 
 from sao_jax.models import decode
-from sao_jax.models.config import ModelConfig
+from sao_jax.models.config import REMAT_POLICIES, ModelConfig
 from sao_jax.models.layers import apply_rope, default_positions, rms_norm, rope_inv_freq, rope_tables
 
 Array = jax.Array
@@ -331,13 +332,23 @@ class Decoder(nnx.Module):
     def body(h, layer_params):
       return nnx.merge(graphdef, layer_params)(h, cos, sin, mask), None
 
-    if cfg.remat:
-      body = jax.checkpoint(body, prevent_cse=not cfg.scan_layers)
+    if cfg.remat != 'none':
+      body = jax.checkpoint(body, policy=remat_policy_fn(cfg.remat), prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
       return jax.lax.scan(body, h, params)[0]
     for i in range(cfg.num_layers):
       h, _ = body(h, jax.tree.map(lambda x, i=i: x[i], params))
     return h
+
+
+def remat_policy_fn(name: str) -> Any:
+  """The `jax.checkpoint` policy of a remat name (`models.config.REMAT_POLICIES`; 'none' is no checkpoint at
+  all): 'full' -> None (nothing saved but the inputs), else `jax.checkpoint_policies.<name>`."""
+  if name == 'full':
+    return None
+  if name not in REMAT_POLICIES or name == 'none':
+    raise ValueError(f'remat policy {name!r} is not one of {[p for p in REMAT_POLICIES if p != "none"]}.')
+  return getattr(jax.checkpoint_policies, name)
 
 
 def project_to_vocab(hidden: Array, w: Array, layout: str) -> Array:

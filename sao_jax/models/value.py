@@ -57,14 +57,16 @@ class ValueModel(nnx.Module):
     return jnp.pad(v[:, :-1], ((0, 0), (1, 0)))
 
   @classmethod
-  def from_policy(cls, policy: Decoder, *, rngs: nnx.Rngs | None = None) -> ValueModel:
+  def from_policy(cls, policy: Decoder, *, rngs: nnx.Rngs | None = None, remat: str = '') -> ValueModel:
     """A critic whose backbone is a copy of `policy`'s weights (no lm head) and whose head is zero.
 
-    The arrays are copied (same shardings), so donating the policy's buffers never invalidates the critic.
-    Nothing is randomly initialised (`rngs` is accepted for API symmetry and unused).
+    The arrays are copied (same shardings and dtypes: the head is stored in `cfg.param_dtype` too), so donating
+    the policy's buffers never invalidates the critic. `remat`: the critic's own remat policy
+    (`models.config.REMAT_POLICIES`; '' = the policy's, `config.model.critic_remat`). Nothing is randomly
+    initialised (`rngs` is accepted for API symmetry and unused).
     """
     del rngs
-    cfg = policy.cfg
+    cfg = policy.cfg.replace(remat=remat) if remat else policy.cfg
     abstract = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     src = nnx.state(policy)
