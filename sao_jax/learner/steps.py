@@ -433,6 +433,18 @@ def _prefixed(prefix: str, metrics: Metrics) -> Metrics:
   return {f'{prefix}/{k}': v for k, v in metrics.items()}
 
 
+def _under_mesh(step: Callable[..., Any], mesh: Mesh | None) -> Callable[..., Any]:
+  """`step` traced under `mesh` (as an abstract mesh): the model's activation constraints (`llama.rows_split`)
+  then keep rows split over the batch axes."""
+  if mesh is None:
+    return step
+
+  def traced_under_mesh(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return step(*args, **kwargs)
+  return traced_under_mesh
+
+
 def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
                   critic_spec: state_lib.ModelSpec, mesh: Mesh | None = None, ref_graphdef: Any = None):
   """Pure SAO/PPO step: `(LearnerState, Batch, ref_state | None, hparams | None) -> (LearnerState, metrics)`.
@@ -516,7 +528,7 @@ def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
     }
     return state_lib.LearnerState(policy=policy_ts, critic=critic_ts, step=state.step + 1), metrics
 
-  return step
+  return _under_mesh(step, mesh)
 
 
 def make_group_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec, mesh: Mesh | None = None,
@@ -544,4 +556,4 @@ def make_group_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec, 
     }
     return state_lib.LearnerState(policy=policy_ts, critic=None, step=state.step + 1), metrics
 
-  return step
+  return _under_mesh(step, mesh)

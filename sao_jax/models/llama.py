@@ -316,7 +316,7 @@ class Decoder(nnx.Module):
       positions = default_positions(attention_mask, b, t)
     chex.assert_shape(positions, (b, t))
     positions = positions.astype(jnp.int32)
-    h = jnp.take(self.embed.embedding[...], tokens, axis=0).astype(_dtype(cfg.dtype))
+    h = rows_split(jnp.take(self.embed.embedding[...], tokens, axis=0).astype(_dtype(cfg.dtype)))
     cos, sin = rope_tables(positions, rope_inv_freq(cfg))
     mask = jnp.tril(jnp.ones((t, t), bool))[None]
     if attention_mask is not None:
@@ -330,7 +330,7 @@ class Decoder(nnx.Module):
     graphdef, params = nnx.split(self.layers)
 
     def body(h, layer_params):
-      return nnx.merge(graphdef, layer_params)(h, cos, sin, mask), None
+      return rows_split(nnx.merge(graphdef, layer_params)(h, cos, sin, mask)), None
 
     if cfg.remat != 'none':
       body = jax.checkpoint(body, policy=remat_policy_fn(cfg.remat), prevent_cse=not cfg.scan_layers)
@@ -339,6 +339,17 @@ class Decoder(nnx.Module):
     for i in range(cfg.num_layers):
       h, _ = body(h, jax.tree.map(lambda x, i=i: x[i], params))
     return h
+
+
+def rows_split(x: Array) -> Array:
+  """Activations `[B, ...]` split by rows over the mesh's batch axes (`data`, `fsdp`) when traced under a mesh
+  (`jax.sharding.use_abstract_mesh`: the learner's steps); unchanged elsewhere (the samplers). Without it GSPMD
+  follows the embedding table's fsdp-split width from the lookup on and holds every row on every chip: 15x the
+  temporaries of Qwen3-8B's update on v5e-64 (docs/benchmarks/aot.md)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not {'data', 'fsdp'} <= set(mesh.axis_names):
+    return x
+  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(('data', 'fsdp')))
 
 
 def remat_policy_fn(name: str) -> Any:
