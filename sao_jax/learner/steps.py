@@ -42,8 +42,6 @@ The whole-batch forward passes (critic values, proximal log-probs) run per micro
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -60,21 +58,9 @@ from sao_jax import parallel
 from sao_jax.learner import algo as algo_lib
 from sao_jax.learner import state as state_lib
 from sao_jax.models import logprobs as logprobs_lib
+from sao_jax.models import loops
 from sao_jax.structs import Batch
 
-# XLA's cost analysis counts a loop's body once: the ahead-of-time plan traces the step with its minibatch and
-# microbatch loops unrolled (`unrolled_loops`) to count every pass. Runs never set it.
-_UNROLL: contextvars.ContextVar[bool] = contextvars.ContextVar('unroll_update_loops', default=False)
-
-
-@contextlib.contextmanager
-def unrolled_loops():
-  """Steps traced inside this block unroll their `lax.scan`s over minibatches and microbatches (same values)."""
-  token = _UNROLL.set(True)
-  try:
-    yield
-  finally:
-    _UNROLL.reset(token)
 
 Metrics = dict[str, jax.Array]
 Hparams = dict[str, Any]  # `StepConfig.hparams()`: host scalars, or the jitted step's inputs.
@@ -256,7 +242,7 @@ def _grad_and_metrics(spec: state_lib.ModelSpec, ts: state_lib.TrainState, mb: A
     return jax.tree.map(jnp.add, acc, grads), jax.lax.stop_gradient(out)
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), ts.params)  # Sums in float32 (bf16 params too).
-  grads, outs = jax.lax.scan(micro, zeros, jnp.arange(parts, dtype=jnp.int32), unroll=_UNROLL.get())
+  grads, outs = loops.scan(micro, zeros, jnp.arange(parts, dtype=jnp.int32))
   loss, metrics = objective.loss(join_parts(outs, mesh), mb, _whole)
   return loss, metrics, grads
 
@@ -281,7 +267,7 @@ def run_updates(spec: state_lib.ModelSpec, ts: state_lib.TrainState, data: Any, 
     ts, guard = guarded_apply(spec, ts, grads, loss, opt_hparams)
     return ts, {'loss': loss, **metrics, **guard}
 
-  ts, stacked = jax.lax.scan(body, ts, jnp.arange(epochs * n, dtype=jnp.int32), unroll=_UNROLL.get())
+  ts, stacked = loops.scan(body, ts, jnp.arange(epochs * n, dtype=jnp.int32))
   return ts, _mean_metrics(stacked)
 
 

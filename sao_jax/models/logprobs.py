@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from sao_jax import losses
+from sao_jax.models import loops
 from sao_jax.models.llama import Decoder, project_to_vocab
 
 Array = jax.Array
@@ -84,7 +85,7 @@ def logprobs_from_hidden(hidden: Array, unembedding: Array, layout: str, tokens:
       return lp, jnp.zeros_like(lp)
     return lp, losses.entropy_from_logits(z)
 
-  lp, ent = jax.lax.map(chunk, (h, tgt))
+  lp, ent = loops.map(chunk, (h, tgt))
   lp = _shift_pad(lp.swapaxes(0, 1).reshape(b, -1)[:, :n])
   if not return_entropy:
     return lp

@@ -13,7 +13,7 @@ run keeps resident on the same chips meanwhile, against the chip's HBM, its FLOP
 (`cost_analysis`) and a roofline time; for the run, the learner step time, the actors' tokens/s and the MFU.
 
 XLA's cost analysis counts a loop's body once, so FLOPs and bytes come from separate compiles of the same program
-with its loops unrolled (`steps.unrolled_loops`, `scan_layers=False`) at 1 and 2 layers, extrapolated to the
+with its loops unrolled (`models.loops.unrolled_loops`, `scan_layers=False`) at 1 and 2 layers, extrapolated to the
 model's depth (exact for identical layers): the time figures are rooflines of the compiler's counts, not
 measurements. The JSON's `programs` entries carry at least `name`, `total_bytes_per_chip` and `hbm_bytes_per_chip`.
 """

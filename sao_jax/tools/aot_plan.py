@@ -131,10 +131,25 @@ def _largest(tree: Any, k: int = 3) -> list[tuple[str, int]]:
   return sorted(sized, key=lambda t: -t[1])[:k]
 
 
+_UNITS = {'': 1, 'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30, 'T': 1 << 40}
+
+
 def compile_program(name: str, lowered: Callable[[], Any], *, args: Any = None, note: str = '') -> Program:
-  """Compiles `lowered()` (a `jax.stages.Lowered`) and reads its memory analysis."""
+  """Compiles `lowered()` (a `jax.stages.Lowered`) and reads its memory analysis. A program the compiler refuses
+  for memory (RESOURCE_EXHAUSTED) is returned with the temporaries it asked for and its arguments' per-chip bytes
+  (from their shardings), its note the compiler's message."""
   t0 = time.perf_counter()
-  compiled = lowered().compile()
+  try:
+    compiled = lowered().compile()
+  except Exception as e:  # pylint: disable=broad-except  # jax.errors.JaxRuntimeError; anything else re-raised.
+    m = re.search(r'HLO temporaries \(([\d.]+)([KMGT]?)\)', str(e))
+    if 'RESOURCE_EXHAUSTED' not in str(e) or args is None:
+      raise
+    temp = int(float(m.group(1)) * _UNITS[m.group(2)]) if m else 0
+    logging.warning('%s does not fit: %s', name, str(e).splitlines()[0])
+    return Program(name=name, argument_bytes=tree_bytes_per_chip(args), output_bytes=0, temp_bytes=temp,
+                   alias_bytes=0, compile_s=time.perf_counter() - t0, largest=_largest(args),
+                   note=(note + '; ' if note else '') + 'refused by the compiler: ' + str(e).splitlines()[0][:200])
   dt = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   logging.info('Compiled %s in %.1f s.', name, dt)
@@ -144,8 +159,14 @@ def compile_program(name: str, lowered: Callable[[], Any], *, args: Any = None, 
 
 
 def cost(lowered: Callable[[], Any]) -> tuple[float, float]:
-  """(FLOPs, bytes accessed) per chip of a lowered program, from the compiler."""
-  ca = lowered().compile().cost_analysis()
+  """(FLOPs, bytes accessed) per chip of a lowered program, from the compiler (NaN when it refuses the program
+  for memory)."""
+  try:
+    ca = lowered().compile().cost_analysis()
+  except Exception as e:  # pylint: disable=broad-except
+    if 'RESOURCE_EXHAUSTED' not in str(e):
+      raise
+    return float('nan'), float('nan')
   ca = ca[0] if isinstance(ca, (list, tuple)) else ca
   return float(ca.get('flops', 0.0)), float(ca.get('bytes accessed', 0.0))
 

@@ -4,7 +4,8 @@ Each program is the run's own jitted function (the learner's update, `generate.w
 slot and static programs) lowered with `jax.ShapeDtypeStruct`s carrying the run's shardings. Residency (what a
 program's chips hold outside its arguments while it runs): the learner state on the learner's chips; the
 published actor copy, each actor's decode-layout weights and KV cache on the actors' chips (the same chips when
-`config.mesh.actor_devices` is 0).
+`config.mesh.actor_devices` is 0); in async mode on shared chips, also the temporaries of the other side's largest
+program (the actors decode while the learner updates).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from sao_jax.generate import static as static_lib
 from sao_jax.generate import weights as weights_lib
 from sao_jax.generate.config import GenerateConfig
 from sao_jax.learner import algo as algo_lib
-from sao_jax.learner import steps as steps_lib
+from sao_jax.models import loops
 from sao_jax.learner.learner import Learner, LearnerConfig
 from sao_jax.models.build import model_config_of
 from sao_jax.models import decode as decode_lib
@@ -78,7 +79,7 @@ def _update_programs(raw_config: Any, cfg: ModelConfig, mesh: Mesh, rows: int, s
 
     def at_depth(layers, c=c):
       small = cfg.replace(num_layers=layers, scan_layers=False)
-      with steps_lib.unrolled_loops():
+      with loops.unrolled_loops():
         return _learner(c, small, mesh).lower_update(rows, seq_len)
     prog.flops, prog.bytes_accessed = aot.depth_cost(at_depth, cfg.num_layers)
     out.append(prog)
@@ -262,14 +263,18 @@ def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, to
   weights_bytes = aot.tree_bytes_per_chip(weights)
   actors_resident = published_bytes + threads * (weights_bytes + cache_bytes)
   learner_resident = learner_bytes
+  # Async on shared chips: the actors' programs run while the update does, each with its temporaries.
+  engine_progs = slot_progs if settings.continuous else static_progs
+  concurrent = shared and str(config.trainer.mode) == 'async'
+  actors_temp = max(p.temp_bytes for p in engine_progs) if concurrent else 0
+  learner_temp = max(p.temp_bytes for p in updates[:1]) if concurrent else 0
   for p in updates:
-    p.resident_bytes = actors_resident if shared else 0
-  publish.resident_bytes = (learner_bytes - publish.argument_bytes + (published_bytes + threads * (
-      weights_bytes + cache_bytes) if shared else 0))
-  to_decode.resident_bytes = (learner_resident if shared else 0) + threads * (weights_bytes + cache_bytes)
+    p.resident_bytes = (actors_resident + actors_temp) if shared else 0
+  publish.resident_bytes = learner_bytes - publish.argument_bytes + (actors_resident + actors_temp if shared else 0)
+  to_decode.resident_bytes = (learner_resident + learner_temp if shared else 0) + actors_resident
   for p in slot_progs + static_progs:
     # Arguments: this actor's weights and cache; other actors' and the published copy stay.
-    p.resident_bytes = (learner_resident if shared else 0) + published_bytes + (threads - 1) * (
+    p.resident_bytes = ((learner_resident + learner_temp) if shared else 0) + published_bytes + (threads - 1) * (
         weights_bytes + cache_bytes)
 
   # ---- The run's figures (rooflines of the compiler's counts).
