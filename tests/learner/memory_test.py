@@ -3,6 +3,7 @@
 bfloat16 runs that learn (the SAO update, and the arith demo's warm start)."""
 
 import functools
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from flax import nnx
 
 from configs import arith
 from configs import base
+from sao_jax import checkpoint
 from sao_jax import config_lib
 from sao_jax import models
 from sao_jax import parallel
@@ -22,6 +24,7 @@ from sao_jax.learner import Learner, LearnerConfig
 from sao_jax.learner import optim as optim_lib
 from sao_jax.models import Decoder
 from sao_jax.models import logprobs as logprobs_lib
+from sao_jax.rollout import prompts as rollout_prompts
 from sao_jax.tokenizers import CharTokenizer
 from tests.learner import helpers as H
 
@@ -151,6 +154,35 @@ class LearnerStateTest(absltest.TestCase):
       # Unfrozen, the same critic holds the attention's moments too.
       self.assertEqual(_bytes(_float_leaves(full.state.critic.opt_state)) - _bytes(moments),
                        2 * sum(x.size for x in attention) * jnp.dtype(state_dtype).itemsize)
+
+  def test_checkpoint_round_trip_keeps_the_bfloat16_state(self):
+    config = H.config('sao', **H.SAO_OVERRIDES, **{'optim.state_dtype': 'bfloat16', 'model.param_dtype': 'bfloat16'})
+    model_config = H.MODEL.replace(param_dtype='bfloat16')
+
+    def make(seed):
+      return Learner(LearnerConfig.from_config(config), policy=Decoder(model_config, rngs=nnx.Rngs(seed)),
+                     mesh=H.mesh(1, 1))
+
+    saved, fresh = make(0), make(1)
+    # Moments are zeros at the start: give every float leaf its own values, so the round trip shows.
+    leaves, treedef = jax.tree.flatten(saved.state)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    saved.state = jax.tree.unflatten(treedef, [
+        jax.device_put(jax.random.normal(k, x.shape).astype(x.dtype), x.sharding)
+        if jnp.issubdtype(x.dtype, jnp.floating) else x for k, x in zip(keys, leaves)])
+    prompts = lambda: rollout_prompts.PromptSource(registry.get_task(config.task).train_iterator(0))
+    directory = tempfile.mkdtemp(prefix='ckpt_bf16_learner_')
+    with checkpoint.Checkpointer(directory, async_save=False) as ckpt:
+      checkpoint.save_checkpoint(ckpt, saved, model_config, config, prompts())
+    with checkpoint.Checkpointer(directory, async_save=False) as ckpt:
+      step = checkpoint.restore_checkpoint(ckpt, fresh, config, prompts(), defaults=config_lib.defaults())
+    self.assertEqual(step, 0)
+    got, want = jax.tree.leaves(fresh.state), jax.tree.leaves(saved.state)
+    self.assertLen(got, len(want))
+    self.assertEqual({x.dtype for x in _float_leaves(fresh.state)}, {BF16})
+    for a, b in zip(got, want):
+      self.assertEqual(a.dtype, b.dtype)
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
   def test_bfloat16_params_and_moments_throughout_and_the_rewarded_action_rises(self):
     learner = _learner('bfloat16', 'bfloat16')

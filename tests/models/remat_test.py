@@ -8,15 +8,17 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 from jax._src import core as jax_core
 
+from configs import base
 from sao_jax import checkpoint
-from sao_jax.models import config as config_lib
+from sao_jax import config_lib
+from sao_jax.models import config as model_config
 from sao_jax.models import llama, logprobs, value
 
-POLICIES = config_lib.REMAT_POLICIES
+POLICIES = model_config.REMAT_POLICIES
 
 
 def _tiny(**kw):
-  return config_lib.get_model_config('tiny', **kw)
+  return model_config.get_model_config('tiny', **kw)
 
 
 def _checkpoint_policies(fn, *args) -> list:
@@ -41,8 +43,15 @@ class RematTest(parameterized.TestCase):
     super().setUpClass()
     cfg = _tiny()
     cls.tokens = jax.random.randint(jax.random.key(0), (2, 12), 3, cfg.vocab_size, dtype=jnp.int32)
+    cls._results = {}  # (value, grads) by config overrides: the no-remat references are computed once.
 
   def _value_and_grad(self, **kw):
+    key = tuple(sorted(kw.items()))
+    if key not in self._results:
+      self._results[key] = self._compute_value_and_grad(**kw)
+    return self._results[key]
+
+  def _compute_value_and_grad(self, **kw):
     model = llama.Decoder(_tiny(attention_chunk=4, **kw), rngs=nnx.Rngs(3))
     tokens = self.tokens
 
@@ -83,10 +92,19 @@ class RematTest(parameterized.TestCase):
       _tiny(remat='fulll')
     with self.assertRaisesRegex(ValueError, 'ModelConfig.remat=1 is not one of'):
       _tiny(remat=1)
-    # A checkpoint written before the policies holds a bool.
+    # A checkpoint written before the policies holds a bool: its model config reads, and the run resumes (a remat
+    # change is resumable: it changes what the backward pass recomputes, not the values).
     saved = checkpoint.manager.model_config_to_json(_tiny())
     saved['remat'] = True
     self.assertEqual(checkpoint.model_config_from_json(saved).remat, 'full')
+    config, defaults = base.get_config(), config_lib.defaults()
+    old = {k: v for k, v in checkpoint.flat_config(config).items() if k != 'model.critic_remat'}
+    old['model.remat'] = False
+    self.assertEqual(checkpoint.config_differences(old, config, defaults), [])
+    config.model.remat, config.model.critic_remat = 'dots_saveable', 'full'
+    self.assertEqual(checkpoint.config_differences(old, config, defaults), [])
+    config.model.param_dtype = 'bfloat16'  # A storage dtype is a difference.
+    self.assertEqual(checkpoint.config_differences(old, config, defaults), ['model.param_dtype'])
 
   def test_critic_takes_its_own_policy(self):
     policy = llama.Decoder(_tiny(remat='dots_saveable'), rngs=nnx.Rngs(0))
