@@ -96,6 +96,8 @@ class Program:
   compile_s: float = 0.0
   largest: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # Its largest arguments per chip.
   note: str = ''
+  refused: bool = False  # The compiler refused it for memory (its temporaries are what it asked for).
+  steps: int = 0  # Decode loops: the steps of one call.
 
   @property
   def program_bytes(self) -> int:
@@ -148,7 +150,7 @@ def compile_program(name: str, lowered: Callable[[], Any], *, args: Any = None, 
     temp = int(float(m.group(1)) * _UNITS[m.group(2)]) if m else 0
     logging.warning('%s does not fit: %s', name, str(e).splitlines()[0])
     return Program(name=name, argument_bytes=tree_bytes_per_chip(args), output_bytes=0, temp_bytes=temp,
-                   alias_bytes=0, compile_s=time.perf_counter() - t0, largest=_largest(args),
+                   alias_bytes=0, compile_s=time.perf_counter() - t0, largest=_largest(args), refused=True,
                    note=(note + '; ' if note else '') + 'refused by the compiler: ' + str(e).splitlines()[0][:200])
   dt = time.perf_counter() - t0
   mem = compiled.memory_analysis()
@@ -196,6 +198,8 @@ class Plan:
     return None if self.chip is None else self.chip.hbm_bytes
 
   def fits(self, program: Program) -> bool | None:
+    if program.refused:
+      return False
     return None if self.chip is None else program.total_bytes <= _ROOM * self.chip.hbm_bytes
 
   def to_json(self) -> dict[str, Any]:
@@ -211,6 +215,7 @@ class Plan:
             'flops_per_chip': p.flops, 'bytes_accessed_per_chip': p.bytes_accessed,
             'roofline_s': p.roofline_s(self.chip), 'compile_s': p.compile_s,
             'largest_arguments': [{'name': n, 'bytes_per_chip': b} for n, b in p.largest], 'note': p.note,
+            'refused_by_compiler': p.refused,
         } for p in self.programs],
         'run': self.run,
     }

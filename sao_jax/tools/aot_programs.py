@@ -98,20 +98,24 @@ def _publish(learner: Learner, actor_mesh: Mesh | None, rules: Any) -> tuple[aot
     out_sh = in_sh
   fn = jax.jit(weights_lib.publish_reshard, in_shardings=(in_sh,), out_shardings=out_sh)
   prog = aot.compile_program('publish', lambda: fn.lower(state), args=state)
-  published = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, out_sh)
   prog.flops, prog.bytes_accessed = aot.cost(lambda: fn.lower(state))
-  return prog, published
+  # What an actor's programs read: its process's copy, on the actors' own mesh (`generate.weights`).
+  target = out_sh if actor_mesh is None else parallel.tree_shardings(state, actor_mesh, rules)
+  return prog, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, target)
 
 
 def _decode_weights(cfg: ModelConfig, published: Any) -> tuple[aot.Program, Any]:
   """The published weights in decode layout (`generate.weights`' conversion, at every new version)."""
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
   lowered = lambda: weights_lib._decode_layout.lower(graphdef, published)  # pylint: disable=protected-access
-  compiled = lowered().compile()
   abstract = jax.eval_shape(lambda s: weights_lib._to_decode_layout(graphdef, s), published)  # pylint: disable=protected-access
-  weights = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
-                         compiled.output_shardings)
   prog = aot.compile_program('decode layout', lowered, args=published)
+  if prog.refused:  # XLA chose no layout: take the published copy's mesh, replicated (an upper bound).
+    mesh = jax.tree.leaves(published)[0].sharding.mesh
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), abstract)
+  else:
+    shardings = lowered().compile().output_shardings
+  weights = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
   prog.flops, prog.bytes_accessed = aot.cost(lowered)
   return prog, weights
 
@@ -167,6 +171,7 @@ def _slot_programs(e: _Engine, weights: Any) -> tuple[list[aot.Program], int]:
   decode = aot.compile_program(
       'slot decode', lambda: slot_programs.decode_program.lower(st, steps, e.place, *decode_args),
       args=decode_args, note=f'{r} rows, {steps} steps a call, window {cache_len}')
+  admit.flops, admit.bytes_accessed = aot.cost(lambda: slot_programs.admit_program.lower(st, e.place, *admit_args))
   return [admit, decode], aot.tree_bytes_per_chip(cache)
 
 
@@ -190,6 +195,8 @@ def _static_programs(e: _Engine, weights: Any) -> list[aot.Program]:
                  row(jnp.int32), rep((), jnp.int32))
   decode = aot.compile_program('static decode', lambda: decode_fn.lower(st, n, *decode_args), args=decode_args,
                                note=f'{b} rows, {n} steps')
+  prefill.flops, prefill.bytes_accessed = aot.cost(lambda: prefill_fn.lower(st, *prefill_args))
+  decode.steps = n
   return [prefill, decode]
 
 
@@ -279,6 +286,10 @@ def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, to
 
   # ---- The run's figures (rooflines of the compiler's counts).
   step_flops, step_bytes = _decode_step_cost(engine, published, slots, slots_lib.cache_length(settings.max_seq_len))
+  # The decode loops' costs: their steps' (a while loop's body counts once), at the whole cache's window.
+  for p, steps in ((slot_progs[1], settings.decode_steps), (static_progs[1], static_progs[1].steps)):
+    p.flops, p.bytes_accessed = step_flops * steps, step_bytes * steps
+    p.note += f'; cost: {steps} x one step over the whole window'
   actor_chips = len({d.id for d in actors_mesh.devices.flat})
   decode_step_s = (max(step_flops / chip.peak_flops, step_bytes / chip.hbm_bytes_per_s) if chip else float('nan'))
   update = updates[0]
