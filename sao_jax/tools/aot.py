@@ -51,6 +51,7 @@ def _prepare_environment(argv: Sequence[str]) -> None:
   """Before jax starts: the platform is the host's (a TPU topology is only compiled for), and `cpu:N` gets N
   host devices."""
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')  # libtpu's one-process lock: plans may run side by side.
   for arg in argv:
     m = re.fullmatch(r'--topology=cpu:(\d+)', arg)
     if m and '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):

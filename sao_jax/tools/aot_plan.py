@@ -16,6 +16,7 @@ from absl import logging
 @dataclasses.dataclass(frozen=True)
 class Chip:
   """One accelerator chip's figures (vendor's public specifications)."""
+  key: str
   name: str
   hbm_bytes: int
   peak_flops: float  # bf16 dense FLOP/s.
@@ -25,10 +26,10 @@ class Chip:
 
 _GIB = 1 << 30
 CHIPS = {
-    'v4': Chip('TPU v4', 32 * _GIB, 275e12, 1228e9, 'https://cloud.google.com/tpu/docs/v4'),
-    'v5e': Chip('TPU v5e', 16 * _GIB, 197e12, 819e9, 'https://cloud.google.com/tpu/docs/v5e'),
-    'v5p': Chip('TPU v5p', 95 * _GIB, 459e12, 2765e9, 'https://cloud.google.com/tpu/docs/v5p'),
-    'v6e': Chip('TPU v6e', 32 * _GIB, 918e12, 1640e9, 'https://cloud.google.com/tpu/docs/v6e'),
+    'v4': Chip('v4', 'TPU v4', 32 * _GIB, 275e12, 1228e9, 'https://cloud.google.com/tpu/docs/v4'),
+    'v5e': Chip('v5e', 'TPU v5e', 16 * _GIB, 197e12, 819e9, 'https://cloud.google.com/tpu/docs/v5e'),
+    'v5p': Chip('v5p', 'TPU v5p', 95 * _GIB, 459e12, 2765e9, 'https://cloud.google.com/tpu/docs/v5p'),
+    'v6e': Chip('v6e', 'TPU v6e', 32 * _GIB, 918e12, 1640e9, 'https://cloud.google.com/tpu/docs/v6e'),
 }
 # Slice names count TensorCores on v4 / v5p (two a chip), chips on v5e / v6e.
 _CORES_PER_CHIP = {'v4': 2, 'v5p': 2, 'v5e': 1, 'v6e': 1}
@@ -46,6 +47,16 @@ def chip_grid(generation: str, chips: int) -> str:
   if dims == 3 and chips >= 4 and shape[0] == 1:  # 4 chips is 2x2x1 on v4 / v5p.
     shape = sorted(shape, reverse=True)
   return f'{generation}:{"x".join(map(str, shape))}'
+
+
+_HOST_GRID = {'v4': 'v4:2x2x1', 'v5p': 'v5p:2x2x1', 'v5e': 'v5e:2x2', 'v6e': 'v6e:2x2'}
+
+
+def host_devices(chip: Chip) -> list[Any]:
+  """The devices of one host of `chip`'s slices (a one-host topology): the TPU compiler compiles a program for all
+  of a topology's devices only, so a program on one process's devices (the actors') is compiled on these."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  return list(topologies.get_topology_desc(platform='tpu', topology_name=_HOST_GRID[chip.key]).devices)
 
 
 def topology_devices(topology: str) -> tuple[list[Any], Chip | None, str]:

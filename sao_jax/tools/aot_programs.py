@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sao_jax import parallel
+from sao_jax.errors import ConfigError
 from sao_jax.generate import programs as slot_programs
 from sao_jax.generate import sampling
 from sao_jax.generate import slots as slots_lib
@@ -71,17 +72,26 @@ def _update_programs(raw_config: Any, cfg: ModelConfig, mesh: Mesh, rows: int, s
   for name in names:
     c = raw_config.copy_and_resolve_references()
     c.algo.name = name
-    c = config_lib.validate(c, log=False)
+    c = config_lib.validate(c, devices=list(mesh.devices.flat), log=False)
     learner = _learner(c, cfg, mesh)
     first = first or learner
     prog = aot.compile_program(f'update ({name})', lambda learner=learner: learner.lower_update(rows, seq_len),
                                args=learner.state, note=f'{rows} x {seq_len} tokens')
 
-    def at_depth(layers, c=c):
+    # The cost compiles run one microbatch's rows as the whole batch (no minibatch or microbatch loop) and count
+    # it `parts` times: the same arithmetic, each part's weight gathers included; the optimizer's update, once a
+    # minibatch in the run, is counted `parts` times (a fraction of a percent of the step at 8B).
+    micro = c.trainer.microbatch_size or c.trainer.minibatch_size or rows
+    parts = rows // micro
+    one = c.copy_and_resolve_references()
+    one.trainer.batch_size, one.trainer.minibatch_size, one.trainer.microbatch_size = micro, 0, 0
+
+    def at_depth(layers, c=one, micro=micro):
       small = cfg.replace(num_layers=layers, scan_layers=False)
       with loops.unrolled_loops():
-        return _learner(c, small, mesh).lower_update(rows, seq_len)
-    prog.flops, prog.bytes_accessed = aot.depth_cost(at_depth, cfg.num_layers)
+        return _learner(c, small, mesh).lower_update(micro, seq_len)
+    flops, bytes_accessed = aot.depth_cost(at_depth, cfg.num_layers)
+    prog.flops, prog.bytes_accessed = parts * flops, parts * bytes_accessed
     out.append(prog)
   return out, first
 
@@ -241,12 +251,18 @@ def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, to
                   ) -> aot.Plan:
   """Every program of the run `raw_config` (as given, not validated) describes on `devices` (module docstring)."""
   from sao_jax import config_lib  # pylint: disable=g-import-not-at-top
-  config = config_lib.validate(raw_config, log=False)
+  config = config_lib.validate(raw_config, devices=devices, log=False)
   cfg = model_config_of(config.model)
   learner_devices, actor_devices = parallel.split_devices(config.mesh, devices)
+  shared = actor_devices is None or not {d.id for d in actor_devices} - {d.id for d in learner_devices}
+  if chip is not None and len(learner_devices) < len(devices):
+    raise ConfigError(f'config.mesh.actor_devices={config.mesh.actor_devices}: the TPU compiler compiles for a whole '
+                      "slice's devices only, not the learner's part of one; plan with actor_devices=0 (the actors on "
+                      "each host's chips, shared), or plan the learner's slice on its own.")
+  if chip is not None and actor_devices is not None and len(actor_devices) < len(devices):
+    actor_devices = aot.host_devices(chip)  # One process's chips, as a one-host slice.
   mesh = learner_mesh(config.mesh, learner_devices)
   actor_mesh = None if actor_devices is None else parallel.make_actor_mesh(actor_devices)
-  shared = actor_devices is None or not {d.id for d in actor_devices} - {d.id for d in learner_devices}
   rows = int(config.trainer.batch_size)
   seq_len = seq_len or max(int(t) for t in config.trainer.seq_buckets)
   updates, learner = _update_programs(raw_config, cfg, mesh, rows, seq_len)
@@ -273,8 +289,9 @@ def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, to
   # Async on shared chips: the actors' programs run while the update does, each with its temporaries.
   engine_progs = slot_progs if settings.continuous else static_progs
   concurrent = shared and str(config.trainer.mode) == 'async'
-  actors_temp = max(p.temp_bytes for p in engine_progs) if concurrent else 0
-  learner_temp = max(p.temp_bytes for p in updates[:1]) if concurrent else 0
+  # (A program the compiler refused has no temporaries to count: it is named as not fitting itself.)
+  actors_temp = max((p.temp_bytes for p in engine_progs if not p.refused), default=0) if concurrent else 0
+  learner_temp = max((p.temp_bytes for p in updates[:1] if not p.refused), default=0) if concurrent else 0
   for p in updates:
     p.resident_bytes = (actors_resident + actors_temp) if shared else 0
   publish.resident_bytes = learner_bytes - publish.argument_bytes + (actors_resident + actors_temp if shared else 0)
