@@ -174,8 +174,10 @@ def compile_program(name: str, lowered: Callable[[], Any], *, args: Any = None, 
 def cost(lowered: Callable[[], Any]) -> tuple[float, float]:
   """(FLOPs, bytes accessed) per chip of a lowered program, from the compiler (NaN when it refuses the program
   for memory)."""
+  t0 = time.perf_counter()
   try:
     ca = lowered().compile().cost_analysis()
+    logging.info('Compiled for its cost in %.1f s.', time.perf_counter() - t0)
   except Exception as e:  # pylint: disable=broad-except
     if 'RESOURCE_EXHAUSTED' not in str(e):
       raise
@@ -253,12 +255,12 @@ class Plan:
     return '\n'.join(lines)
 
 
-def plan(config: Any, topology: str, *, seq_len: int = 0) -> Plan:
+def plan(config: Any, topology: str, *, seq_len: int = 0, grpo: bool = True) -> Plan:
   """Compiles every program of the run `config` (as given: each algorithm planned is validated) describes for
   `topology` and returns their figures."""
   from sao_jax.tools import aot_programs  # pylint: disable=g-import-not-at-top  # It imports this module.
   devices, chip, name = topology_devices(topology)
   return aot_programs.plan_programs(config, devices, chip, topology if name == topology else f'{topology} ({name})',
-                                    seq_len=seq_len)
+                                    seq_len=seq_len, grpo=grpo)
 
 

@@ -60,14 +60,14 @@ def _learner(config: Any, cfg: ModelConfig, mesh: Mesh) -> Learner:
                  model_config=cfg, abstract=True)
 
 
-def _update_programs(raw_config: Any, cfg: ModelConfig, mesh: Mesh, rows: int, seq_len: int
+def _update_programs(raw_config: Any, cfg: ModelConfig, mesh: Mesh, rows: int, seq_len: int, grpo: bool
                      ) -> tuple[list[aot.Program], Learner]:
   """The run's update and, beside an algorithm with a critic, GRPO's (its preset: groups, no critic), compiled with
   their costs; and the run's (abstract) learner."""
   from sao_jax import config_lib  # pylint: disable=g-import-not-at-top
   out, first = [], None
   names = [str(raw_config.algo.name)]
-  if names[0] in algo_lib.CRITIC_ALGOS:
+  if grpo and names[0] in algo_lib.CRITIC_ALGOS:
     names.append('grpo')
   for name in names:
     c = raw_config.copy_and_resolve_references()
@@ -247,8 +247,8 @@ def _cut_layers(state: Any, layers: int) -> Any:
   return jax.tree_util.tree_map_with_path(one, state)
 
 
-def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, topology: str, *, seq_len: int = 0
-                  ) -> aot.Plan:
+def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, topology: str, *, seq_len: int = 0,
+                  grpo: bool = True) -> aot.Plan:
   """Every program of the run `raw_config` (as given, not validated) describes on `devices` (module docstring)."""
   from sao_jax import config_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.validate(raw_config, devices=devices, log=False)
@@ -265,7 +265,7 @@ def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, to
   actor_mesh = None if actor_devices is None else parallel.make_actor_mesh(actor_devices)
   rows = int(config.trainer.batch_size)
   seq_len = seq_len or max(int(t) for t in config.trainer.seq_buckets)
-  updates, learner = _update_programs(raw_config, cfg, mesh, rows, seq_len)
+  updates, learner = _update_programs(raw_config, cfg, mesh, rows, seq_len, grpo)
   learner_bytes = aot.tree_bytes_per_chip((learner.state, learner.ref_state))
 
   publish, published = _publish(learner, actor_mesh, config.mesh.rules)
