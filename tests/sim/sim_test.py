@@ -288,7 +288,8 @@ class LayeringTest(absltest.TestCase):
 
   def test_no_jax(self):
     code = ('import sys; import sao_jax.sim.simulator, sao_jax.sim.run, sao_jax.sim.sweep, sao_jax.sim.calibrate, '
-            'sao_jax.sim.pod; assert not [m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "flax")]')
+            'sao_jax.sim.pod, sao_jax.sim.plan; '
+            'assert not [m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "flax")]')
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(sao_jax.__file__))))
     subprocess.run([sys.executable, '-c', code], check=True, env=env, cwd=tempfile.gettempdir())
 
