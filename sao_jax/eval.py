@@ -37,6 +37,7 @@ from absl import logging
 import numpy as np
 
 from sao_jax import models
+from sao_jax import paths
 from sao_jax import rollout
 from sao_jax import tokenizers
 from sao_jax import structs
@@ -209,8 +210,7 @@ def write_outputs(output: str, run: EvalRun) -> None:
   if jax.process_index() != 0:
     return
   n = evaluation.write_jsonl(output, run.results)
-  with open(f'{output}.summary.json', 'w', encoding='utf-8') as f:
-    json.dump(run.summary, f, indent=1, sort_keys=True)
+  paths.write_text(f'{output}.summary.json', json.dumps(run.summary, indent=1, sort_keys=True))
   logging.info('Wrote %d problem results to %s.', n, output)
 
 
@@ -246,8 +246,8 @@ def load_model_and_tokenizer(config, *, checkpoint: str | None, hf_model: str | 
   model_config = config.model.copy_and_resolve_references()
   if checkpoint:
     from sao_jax import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top  # orbax: heavy.
-    nested = os.path.join(checkpoint, 'checkpoints')
-    if os.path.isdir(nested) and not any(d.isdigit() for d in os.listdir(checkpoint)):
+    nested = paths.join(checkpoint, 'checkpoints')
+    if paths.isdir(nested) and not any(d.isdigit() for d in paths.listdir(checkpoint)):
       checkpoint = nested  # A trainer workdir was given: its checkpoints live in <workdir>/checkpoints.
     model, cfg = checkpoint_lib.load_policy(checkpoint, step, dtype=config.model.dtype)
   else:

@@ -10,6 +10,11 @@
 resumes: opening a writer with `resume_step=s` first drops every row with `step > s` (rows written after the
 checkpoint the run resumed from). Non-finite floats are written as `null` (JSON has no NaN). Only process 0
 writes; on other processes the writer does nothing.
+
+The workdir may be a URI (`gs://bucket/run`, `sao_jax.paths`): an object cannot be appended to, so the file and the
+TensorBoard events are then written in a local staging directory and uploaded whole every `sync_every_s`, at
+`flush()` (the trainer flushes before each checkpoint, so the rows up to a checkpoint are in the bucket when it is)
+and at `close()`. A local workdir is written in place, each row flushed as it is written.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging as logging_std
 import math
 import numbers
 import os
+import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +33,8 @@ from typing import Any
 from absl import logging
 import jax
 import numpy as np
+
+from sao_jax import paths
 
 METRICS_FILE = 'metrics.jsonl'
 
@@ -63,11 +71,11 @@ def _scalar(value: Any) -> float | int | bool | str | None:
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
   """The rows of `WORKDIR/metrics.jsonl` (a torn last line, from a killed process, is skipped)."""
-  path = os.path.join(workdir, METRICS_FILE)
-  if not os.path.exists(path):
+  path = paths.join(workdir, METRICS_FILE)
+  if not paths.exists(path):
     return []
   rows = []
-  with open(path, encoding='utf-8') as f:
+  with paths.open_file(path) as f:
     for line in f:
       try:
         rows.append(json.loads(line))
@@ -79,12 +87,13 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
 def truncate_metrics(workdir: str, last_step: int) -> int:
   """Drops rows with `step > last_step` (and torn lines) from `WORKDIR/metrics.jsonl`; returns rows dropped.
 
-  The file is rewritten to a temporary file and renamed over the old one, so a kill leaves one or the other.
+  The file is replaced whole (`paths.write_text`: a temporary file renamed over it, or one upload), so a kill
+  leaves one or the other.
   """
-  path = os.path.join(workdir, METRICS_FILE)
-  if not os.path.exists(path):
+  path = paths.join(workdir, METRICS_FILE)
+  if not paths.exists(path):
     return 0
-  with open(path, encoding='utf-8') as f:
+  with paths.open_file(path) as f:
     lines = f.readlines()
   kept = []
   for line in lines:
@@ -96,10 +105,7 @@ def truncate_metrics(workdir: str, last_step: int) -> int:
       kept.append(line if line.endswith('\n') else line + '\n')
   dropped = len(lines) - len(kept)
   if dropped:
-    tmp = path + '.tmp'
-    with open(tmp, 'w', encoding='utf-8') as f:
-      f.writelines(kept)
-    os.replace(tmp, path)
+    paths.write_text(path, ''.join(kept))
   return dropped
 
 
@@ -107,37 +113,45 @@ class MetricsWriter:
   """Writes one row per step to `metrics.jsonl`, TensorBoard (`WORKDIR/tensorboard`) and optionally wandb.
 
   Args:
-    workdir: the run's directory.
+    workdir: the run's directory (a local path or a URI, module docstring).
     resume_step: the step restored from a checkpoint: rows past it are dropped first (None = a fresh run,
       whose existing rows, if any, are kept).
     tensorboard: also write TensorBoard event files.
     wandb_project: log to this wandb project too ('' = off; needs the `wandb` package).
     config: the run's config, recorded by wandb.
+    sync_every_s: a remote workdir's files are uploaded at least this often (and at `flush` and `close`).
   """
 
   def __init__(self, workdir: str, *, resume_step: int | None = None, tensorboard: bool = True,
-               wandb_project: str = '', config: Mapping[str, Any] | None = None):
+               wandb_project: str = '', config: Mapping[str, Any] | None = None, sync_every_s: float = 30.0):
     self.workdir = workdir
     self.enabled = jax.process_index() == 0
     self._file = None
     self._tb = None
     self._wandb = None
+    self._stage = None
     if not self.enabled:
       return
-    os.makedirs(workdir, exist_ok=True)
+    paths.makedirs(workdir)
     if resume_step is not None:
       dropped = truncate_metrics(workdir, resume_step)
       if dropped:
         logging.info('metrics.jsonl: dropped %d row(s) past the restored step %d.', dropped, resume_step)
-    self._file = open(os.path.join(workdir, METRICS_FILE), 'a', encoding='utf-8')
+    # The workdir itself when it is local; else a local copy of metrics.jsonl, appended to and uploaded whole.
+    self._stage = paths.StagedDir(workdir, fetch=(METRICS_FILE,), sync_every_s=sync_every_s)
+    self._file = open(os.path.join(self._stage.local, METRICS_FILE), 'a', encoding='utf-8')
     if tensorboard:
       # Imported here: tensorboardX imports torch when it is installed (about 2 s of every process's start).
+      # Its own gs:// writer would bypass `paths` (google-cloud-storage, the whole file re-sent at each flush):
+      # the events go to the staging directory instead, uploaded with metrics.jsonl.
       import tensorboardX  # pylint: disable=g-import-not-at-top
-      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, 'tensorboard'),
+      self._tb = tensorboardX.SummaryWriter(os.path.join(self._stage.local, 'tensorboard'),
                                             purge_step=None if resume_step is None else resume_step + 1)
     if wandb_project:
       import wandb  # pylint: disable=g-import-not-at-top  (optional dependency)
-      self._wandb = wandb.init(project=wandb_project, dir=workdir, config=dict(config or {}), resume='allow')
+      # wandb keeps its local files in a directory of its own (a remote workdir: a temporary one; wandb uploads them).
+      wandb_dir = workdir if paths.is_local(workdir) else tempfile.mkdtemp(prefix='sao_jax_wandb_')
+      self._wandb = wandb.init(project=wandb_project, dir=wandb_dir, config=dict(config or {}), resume='allow')
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     """Appends the row `{"step": step, **metrics}` (flushed, so a kill loses at most this row)."""
@@ -153,12 +167,17 @@ class MetricsWriter:
           self._tb.add_scalar(k, v, global_step=step)
     if self._wandb is not None:
       self._wandb.log({k: v for k, v in row.items() if v is not None}, step=int(step))
+    if self._stage.due():
+      self.flush()
 
   def flush(self) -> None:
+    """Flushes the file and the TensorBoard events; a remote workdir gets them uploaded."""
     if self._file is not None:
       self._file.flush()
     if self._tb is not None:
       self._tb.flush()
+    if self._stage is not None:
+      self._stage.sync()
 
   def close(self) -> None:
     if self._file is not None:
@@ -167,6 +186,9 @@ class MetricsWriter:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+    if self._stage is not None:
+      self._stage.close()
+      self._stage = None
     if self._wandb is not None:
       self._wandb.finish()
       self._wandb = None

@@ -22,7 +22,6 @@ start -> actors -> loop -> final eval and save (docs/design.md, Data flow). Rule
 from __future__ import annotations
 
 import collections
-import os
 import signal
 import threading
 import time
@@ -39,6 +38,7 @@ from sao_jax import eval as eval_lib
 from sao_jax import metrics as metrics_lib
 from sao_jax import models
 from sao_jax import parallel
+from sao_jax import paths
 from sao_jax import rollout
 from sao_jax import sft
 from sao_jax.envs import registry
@@ -177,7 +177,7 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
   tr = config.trainer
   if not config.workdir:
     raise ConfigError("config.workdir='': the trainer needs a work directory (--workdir).")
-  os.makedirs(config.workdir, exist_ok=True)
+  paths.makedirs(config.workdir)  # A local directory or a URI (gs://bucket/run): every file goes through `paths`.
 
   # ---- Task, tokenizer, mesh, model, learner.
   task = registry.get_task(config.task)
@@ -425,8 +425,10 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
       else:
         progress.line(step, row)
       if tr.checkpoint_every and step % int(tr.checkpoint_every) == 0:
+        writer.flush()  # The rows up to the checkpoint are in the workdir first (a remote one's: uploaded).
         checkpoint_lib.save_checkpoint(ckpt, learner, model_config, config, prompts)
     if tr.checkpoint_every and step > start and step not in ckpt.all_steps():  # The last step, or a signal's.
+      writer.flush()
       checkpoint_lib.save_checkpoint(ckpt, learner, model_config, config, prompts)
   finally:
     queue.close()
@@ -439,8 +441,9 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
     task.close()
   if tr.export_hf and not stopped and parallel.is_main_process():
     from sao_jax.models import hf_io  # pylint: disable=g-import-not-at-top
-    hf_io.save_hf(publisher.latest()[0], model_config, str(tr.export_hf),  # The final weights, host-local.
-                  tokenizer_dir=config.model.hf_dir or None)
+    with paths.StagedDir(str(tr.export_hf)) as export:  # A URI: written locally, then uploaded.
+      hf_io.save_hf(publisher.latest()[0], model_config, export.local,  # The final weights, host-local.
+                    tokenizer_dir=config.model.hf_dir or None)
   wall = time.perf_counter() - t_start
   summary = {'steps': step, 'trajectories': trajectories_trained, 'wall_s': wall,
              'start_accuracy': None if first_eval is None else first_eval['eval_accuracy'],

@@ -17,7 +17,7 @@ from absl.testing import absltest
 PACKAGE = 'sao_jax'
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PACKAGE)
 
-_BASE = {'errors', 'structs', 'losses', 'tokenizers'}
+_BASE = {'errors', 'structs', 'losses', 'tokenizers', 'paths'}
 _BELOW_LOOP = _BASE | {'envs', 'models', 'parallel', 'generate', 'rollout', 'learner', 'checkpoint', 'metrics'}
 
 # room -> rooms of the package it may import (besides itself).
@@ -25,14 +25,15 @@ ALLOWED = {
     'errors': set(),
     'structs': set(),
     'losses': set(),
+    'paths': set(),  # The one path layer of a run's files (local or gs://).
     'sim': {'errors'},
     'tokenizers': {'errors'},
-    'envs': {'errors', 'tokenizers'},
+    'envs': {'errors', 'tokenizers', 'paths'},
     'parallel': {'errors', 'structs'},
     'models': {'errors', 'structs', 'losses', 'parallel', 'tokenizers'},
     'generate': {'errors', 'structs', 'parallel', 'models'},
-    'metrics': {'errors', 'parallel'},
-    'checkpoint': {'errors', 'structs', 'models', 'parallel', 'learner'},  # contents: a learner's checkpoint.
+    'metrics': {'errors', 'parallel', 'paths'},
+    'checkpoint': {'errors', 'structs', 'models', 'parallel', 'learner', 'paths'},  # contents: a learner's checkpoint.
     'rollout': _BASE | {'envs', 'models', 'parallel', 'generate'},
     'learner': _BASE | {'models', 'parallel'},
     'config_lib': _BELOW_LOOP,
@@ -51,6 +52,7 @@ FORBIDDEN_THIRD_PARTY = {
     'envs': _DEVICE_LIBS,
     'tokenizers': _DEVICE_LIBS,
     'errors': _DEVICE_LIBS,
+    'paths': _DEVICE_LIBS,
     'sim': _DEVICE_LIBS,
 }
 
@@ -102,8 +104,8 @@ def _imports(path: str, module: str, is_package: bool):
 class LayeringTest(absltest.TestCase):
 
   def test_text_level_rooms_load_no_device_library(self):
-    """Importing every module of envs, tokenizers and sim in a fresh interpreter loads no jax or flax."""
-    modules = [m for m, _ in _modules() if _room(m) in ('envs', 'tokenizers', 'sim', 'errors')]
+    """Importing every module of envs, tokenizers, sim and paths in a fresh interpreter loads no jax or flax."""
+    modules = [m for m, _ in _modules() if _room(m) in ('envs', 'tokenizers', 'sim', 'errors', 'paths')]
     code = ('import sys\n' + ''.join(f'import {m}\n' for m in modules) +
             'print(sorted(k for k in sys.modules if k.split(".")[0] in %r))' % sorted(_DEVICE_LIBS))
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True,

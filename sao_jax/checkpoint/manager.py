@@ -18,7 +18,9 @@ caller may then donate or overwrite them) and the files are written in the backg
 the write is committed and `close()` (or leaving a `with` block) waits then releases the manager. A
 checkpoint directory appears atomically (orbax writes a temporary directory and renames it on commit), so an
 interrupted save never shadows the previous checkpoint; the temporary directories such saves leave behind
-are removed when a `Checkpointer` opens the directory.
+are removed when a `Checkpointer` opens the directory. The directory may be a URI (`gs://bucket/run/checkpoints`,
+`sao_jax.paths`): there orbax cannot rename, and commits a step by writing `commit_success.txt` into it last; a
+step without one is an interrupted save, removed when the directory is opened.
 
 Integrity: every checkpoint also holds a `manifest` (JSON) with the names of the items saved and a fingerprint
 of every array: `fingerprint(x) = (sum_i fmix(u_i ^ fmix(i + c1)), sum_i fmix(u_i ^ fmix(i + c2))) mod 2^32`
@@ -36,9 +38,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
-import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 import orbax.checkpoint as ocp
 
+from sao_jax import paths
 from sao_jax.errors import ConfigError
 from sao_jax.models.config import ModelConfig
 
@@ -57,6 +58,7 @@ ARRAY_ITEMS = ('policy', 'critic', 'optimizer')
 JSON_ITEMS = ('data', 'metadata')
 MANIFEST = 'manifest'  # Internal JSON item: the items saved and their fingerprints (module docstring).
 _TMP_DIR = re.compile(r'.*\.orbax-checkpoint-tmp.*')
+_COMMIT_FILE = ocp.path.atomicity.COMMIT_SUCCESS_FILE  # What orbax writes last into a step on an object store.
 
 
 class CheckpointCorrupt(RuntimeError):
@@ -247,7 +249,7 @@ def check_config(config: Any, *, need_workdir: bool = True) -> None:
     if not config.workdir:
       raise ConfigError("config.workdir='': checkpoints need a work directory (--workdir, or "
                         'config.trainer.checkpoint_every=0).')
-    if os.path.exists(config.workdir) and not os.path.isdir(config.workdir):
+    if paths.exists(config.workdir) and not paths.isdir(config.workdir):
       raise ConfigError(f'config.workdir={config.workdir!r} exists and is not a directory.')
 
 
@@ -267,7 +269,7 @@ class CheckpointConfig:
     """The settings of `config` after `check_config` (a `config.workdir` is needed unless `directory` is given)."""
     check_config(config, need_workdir=directory is None)
     if directory is None:
-      directory = os.path.join(config.workdir, 'checkpoints')
+      directory = paths.join(config.workdir, 'checkpoints')
     return cls(directory=directory, keep=int(config.trainer.keep_checkpoints))
 
 
@@ -287,14 +289,14 @@ class Checkpointer:
                save_interval_steps: int = 1):
     if keep is not None and keep < 1:
       raise ValueError(f'Checkpointer keep={keep}: must be >= 1 (or None to keep every checkpoint).')
-    self.directory = os.path.abspath(os.fspath(directory))
+    self.directory = paths.absolute(directory)
     self._save_interval = save_interval_steps
     self._remove_interrupted_saves()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, save_interval_steps=save_interval_steps, create=True,
         enable_async_checkpointing=async_save,
         multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=0))
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._manager = ocp.CheckpointManager(paths.to_epath(self.directory), options=options)
     self._closed = False
 
   @classmethod
@@ -303,14 +305,23 @@ class Checkpointer:
     return cls(settings.directory, keep=settings.keep, **kwargs)
 
   def _remove_interrupted_saves(self) -> None:
-    """Deletes the temporary directories that interrupted saves left (process 0; before the manager starts)."""
-    if jax.process_index() != 0 or not os.path.isdir(self.directory):
+    """Deletes what interrupted saves left (process 0; before the manager starts): locally orbax's temporary
+    directories (renamed on commit); on an object store the step directories without a commit file."""
+    if jax.process_index() != 0 or not paths.isdir(self.directory):
       return
-    for name in sorted(os.listdir(self.directory)):
-      path = os.path.join(self.directory, name)
-      if _TMP_DIR.fullmatch(name) and os.path.isdir(path):
+    local = paths.is_local(self.directory)
+    for name in paths.listdir(self.directory):
+      path = paths.join(self.directory, name)
+      if local:
+        interrupted = _TMP_DIR.fullmatch(name) and paths.isdir(path)
+      else:
+        interrupted = name.isdigit() and not paths.exists(paths.join(path, _COMMIT_FILE))
+      if interrupted:
         logging.warning('Checkpoint: removing %s, left by an interrupted save.', path)
-        shutil.rmtree(path, ignore_errors=True)
+        try:
+          paths.rmtree(path)
+        except OSError as e:
+          logging.warning('Checkpoint: could not remove %s: %s', path, e)
 
   # ---- Queries.
 
@@ -362,8 +373,8 @@ class Checkpointer:
 
   def items_at(self, step: int) -> set[str]:
     """Names of the items stored at `step` (the manifest included)."""
-    path = os.path.join(self.directory, str(step))
-    return {name for name in ARRAY_ITEMS + JSON_ITEMS + (MANIFEST,) if os.path.isdir(os.path.join(path, name))}
+    path = paths.join(self.directory, str(step))
+    return {name for name in ARRAY_ITEMS + JSON_ITEMS + (MANIFEST,) if paths.isdir(paths.join(path, name))}
 
   def resolve_step(self, step: int | None) -> int:
     """`step`, or the latest one; a clear error when the checkpoint is missing."""
@@ -544,7 +555,7 @@ def load_policy(checkpoint_dir: str, step: int | None = None, *, shardings_fn=No
     (model, model_config).
   """
   from sao_jax.models.llama import Decoder  # pylint: disable=g-import-not-at-top
-  if not os.path.isdir(checkpoint_dir):
+  if not paths.isdir(checkpoint_dir):
     raise FileNotFoundError(f'Checkpoint directory {checkpoint_dir!r} does not exist.')
   with Checkpointer(checkpoint_dir, keep=None, async_save=False) as ckpt:
 

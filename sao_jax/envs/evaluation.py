@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sao_jax import paths
 from sao_jax.envs import base
 
 if TYPE_CHECKING:  # Annotations only: envs imports no jax (sao_jax.structs holds jax arrays).
@@ -134,20 +135,17 @@ def summarize(results: Sequence[ProblemResult], ks: Iterable[int] | None = None)
 
 
 def write_jsonl(path: str, results: Iterable[ProblemResult]) -> int:
-  """Writes one JSON object per problem (atomically: a temp file renamed); returns the count."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp, n = f'{path}.tmp', 0
-  with open(tmp, 'w', encoding='utf-8') as f:
-    for r in results:
-      f.write(json.dumps(r.to_json(), ensure_ascii=False) + '\n')
-      n += 1
-  os.replace(tmp, path)
-  return n
+  """Writes one JSON object per problem, all or nothing (`paths.write_text`; `path` may be a URI); returns the
+  count."""
+  lines = [json.dumps(r.to_json(), ensure_ascii=False) + '\n' for r in results]
+  paths.makedirs(os.path.dirname(paths.absolute(path)))
+  paths.write_text(path, ''.join(lines))
+  return len(lines)
 
 
 def read_jsonl(path: str) -> list[ProblemResult]:
   fields = {f.name for f in dataclasses.fields(ProblemResult)}
-  with open(path, encoding='utf-8') as f:
+  with paths.open_file(path) as f:
     rows = [json.loads(line) for line in f if line.strip()]
   return [ProblemResult(**{k: v for k, v in row.items() if k in fields}) for row in rows]
 
