@@ -34,13 +34,16 @@ _TOPOLOGY = flags.DEFINE_string('topology', 'v5e-64', "TPU slice ('v5e-64', 'v5p
                                 'libtpu topology such as v5e:8x8), or cpu:N (N host devices).')
 _JSON = flags.DEFINE_string('json', '', 'Write the plan here as JSON.')
 _GRPO = flags.DEFINE_bool('grpo', True, "Also plan GRPO's update beside an algorithm with a critic (two more compiles).")
+_ENGINES = flags.DEFINE_enum('engines', 'run', ['run', 'both'], "Plan the sampler programs of the run's engine "
+                              '(config.sampler.continuous: slot, else static) or of both.')
 _SEQ_LEN = flags.DEFINE_integer('seq_len', 0, 'Learner batch length (0: the largest of config.trainer.seq_buckets).')
 
 
 def main(argv: Sequence[str]) -> None:
   del argv
   from sao_jax.tools import aot_plan  # pylint: disable=g-import-not-at-top  # After the environment is set.
-  result = aot_plan.plan(_CONFIG.value, _TOPOLOGY.value, seq_len=_SEQ_LEN.value, grpo=_GRPO.value)
+  result = aot_plan.plan(_CONFIG.value, _TOPOLOGY.value, seq_len=_SEQ_LEN.value, grpo=_GRPO.value,
+                         engines=_ENGINES.value)
   print(result.table())
   if _JSON.value:
     with open(_JSON.value, 'w') as f:

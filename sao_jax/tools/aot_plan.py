@@ -109,6 +109,7 @@ class Program:
   note: str = ''
   refused: bool = False  # The compiler refused it for memory (its temporaries are what it asked for).
   steps: int = 0  # Decode loops: the steps of one call.
+  cache: Any = None  # The static prefill's KV cache (abstract), for the run's residency.
 
   @property
   def program_bytes(self) -> int:
@@ -255,12 +256,12 @@ class Plan:
     return '\n'.join(lines)
 
 
-def plan(config: Any, topology: str, *, seq_len: int = 0, grpo: bool = True) -> Plan:
+def plan(config: Any, topology: str, *, seq_len: int = 0, grpo: bool = True, engines: str = 'run') -> Plan:
   """Compiles every program of the run `config` (as given: each algorithm planned is validated) describes for
   `topology` and returns their figures."""
   from sao_jax.tools import aot_programs  # pylint: disable=g-import-not-at-top  # It imports this module.
   devices, chip, name = topology_devices(topology)
   return aot_programs.plan_programs(config, devices, chip, topology if name == topology else f'{topology} ({name})',
-                                    seq_len=seq_len, grpo=grpo)
+                                    seq_len=seq_len, grpo=grpo, engines=engines)
 
 

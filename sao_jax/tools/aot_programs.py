@@ -207,6 +207,7 @@ def _static_programs(e: _Engine, weights: Any) -> list[aot.Program]:
                                note=f'{b} rows, {n} steps')
   prefill.flops, prefill.bytes_accessed = aot.cost(lambda: prefill_fn.lower(st, *prefill_args))
   decode.steps = n
+  prefill.cache = cache  # Its KV cache (what the run holds when the static engine is its engine).
   return [prefill, decode]
 
 
@@ -248,7 +249,7 @@ def _cut_layers(state: Any, layers: int) -> Any:
 
 
 def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, topology: str, *, seq_len: int = 0,
-                  grpo: bool = True) -> aot.Plan:
+                  grpo: bool = True, engines: str = 'run') -> aot.Plan:
   """Every program of the run `raw_config` (as given, not validated) describes on `devices` (module docstring)."""
   from sao_jax import config_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.validate(raw_config, devices=devices, log=False)
@@ -278,8 +279,14 @@ def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, to
                                                            config.mesh.rules, name="the actors' slot cache"))
   engine = _Engine(cfg, settings, slots, slot_programs.CachePlacement.of(kv), tuple(cfg.eos_ids),
                    int(config.sampler.max_new_tokens))
-  slot_progs, cache_bytes = _slot_programs(engine, weights)
-  static_progs = _static_programs(engine, weights)
+  # The run's engine (config.sampler.continuous: slot, else static), or both; the other's cache is not resident.
+  slot_progs, static_progs, cache_bytes = [], [], 0
+  if settings.continuous or engines == 'both':
+    slot_progs, cache_bytes = _slot_programs(engine, weights)
+  if not settings.continuous or engines == 'both':
+    static_progs = _static_programs(engine, weights)
+    if not settings.continuous:
+      cache_bytes = aot.tree_bytes_per_chip(static_progs[0].cache)
 
   threads = int(config.sampler.num_threads)
   published_bytes = aot.tree_bytes_per_chip(published)
@@ -304,7 +311,9 @@ def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, to
   # ---- The run's figures (rooflines of the compiler's counts).
   step_flops, step_bytes = _decode_step_cost(engine, published, slots, slots_lib.cache_length(settings.max_seq_len))
   # The decode loops' costs: their steps' (a while loop's body counts once), at the whole cache's window.
-  for p, steps in ((slot_progs[1], settings.decode_steps), (static_progs[1], static_progs[1].steps)):
+  decoders = ([(slot_progs[1], settings.decode_steps)] if slot_progs else []) + (
+      [(static_progs[1], static_progs[1].steps)] if static_progs else [])
+  for p, steps in decoders:
     p.flops, p.bytes_accessed = step_flops * steps, step_bytes * steps
     p.note += f'; cost: {steps} x one step over the whole window'
   actor_chips = len({d.id for d in actors_mesh.devices.flat})

@@ -85,7 +85,7 @@ class PlanTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.plan = aot_plan.plan(_raw_config(), 'v5e:2x2')
+    cls.plan = aot_plan.plan(_raw_config(), 'v5e:2x2', engines='both')
     cls.by_name = {p.name: p for p in cls.plan.programs}
 
   def test_every_program_compiles_with_positive_figures(self):
