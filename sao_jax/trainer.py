@@ -227,8 +227,7 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
     warm = sft.warm_start(learner, task, tokenizer, sft.SftConfig.from_config(config), evaluate=bool(tr.eval_every))
 
   # ---- Actors.
-  publisher = WeightPublisher(
-      None if actor_mesh is None else lambda state: parallel.tree_shardings(state, actor_mesh, config.mesh.rules))
+  publisher = WeightPublisher(actor_mesh, config.mesh.rules)
   publisher.publish(learner.policy_model(), version=learner.step)
   limits = rollout.EpisodeLimits.from_config(config)
   settings = GenerateConfig.from_config(config)

@@ -41,7 +41,7 @@ class DevicesTest(absltest.TestCase):
     mesh = parallel.make_mesh(config.mesh, learner_devices)
     model, _ = models.build(config.model, mesh=mesh, rules=config.mesh.rules, seed=0)
     actor_mesh = parallel.make_actor_mesh(actor_devices)
-    publisher = WeightPublisher(lambda s: parallel.tree_shardings(s, actor_mesh, config.mesh.rules))
+    publisher = WeightPublisher(actor_mesh, config.mesh.rules)
     publisher.publish(model, version=3)
     copy, version = publisher.latest()
     self.assertEqual(version, 3)

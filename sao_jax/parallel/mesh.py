@@ -97,7 +97,8 @@ def split_devices(mesh_config: Any, devices: Sequence[jax.Device] | None = None
   `config.mesh.actor_devices = n > 0`: the first `n` local devices of EVERY process run its actors (the first
   ones, so the default device, where uncommitted host inputs land, is an actor device); the learner mesh spans
   the others. `n = 0`: one process shares the learner's mesh with the actors by reference (actor devices None);
-  on several processes the actors of each one run on its local devices (which the learner also uses).
+  on several processes the actors of each one run on its local devices (which the learner also uses). Actor
+  devices come sorted by id (the order of the copy `WeightPublisher` leaves on a process's devices).
 
   Raises:
     ConfigError: naming `config.mesh.actor_devices` when it leaves a process no learner device.
@@ -110,7 +111,7 @@ def split_devices(mesh_config: Any, devices: Sequence[jax.Device] | None = None
   for d in devices:
     by_process.setdefault(d.process_index, []).append(d)
   if n == 0:
-    local = by_process.get(jax.process_index(), [])
+    local = sorted(by_process.get(jax.process_index(), []), key=lambda d: d.id)
     return devices, (None if len(by_process) == 1 else local)
   fewest = min(len(v) for v in by_process.values())
   if n >= fewest:

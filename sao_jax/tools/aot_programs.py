@@ -99,16 +99,31 @@ def _update_programs(raw_config: Any, cfg: ModelConfig, mesh: Mesh, rows: int, s
 def _publish(learner: Learner, actor_mesh: Mesh | None, rules: Any) -> tuple[aot.Program, Any]:
   """The publish: the policy from the learner's shardings to the actors' layout (`generate.weights`): a copy per
   process over its devices (several processes, or actors on devices of their own: planned on the learner's
-  devices, the local move to the actors' is not a program), else a device-side copy keeping the learner's."""
+  devices, the local move to the actors' is not a program), else a device-side copy keeping the learner's. The
+  former is the run's programs (`weights.lower_publish`: groups of arrays one after another), as one: all their
+  outputs, the largest of their temporaries."""
   state = learner.policy_state()
   in_sh = jax.tree.map(lambda x: x.sharding, state)
   if actor_mesh is not None or len({d.process_index for d in learner.mesh.devices.flat}) > 1:
     out_sh = weights_lib.publish_shardings(state, learner.mesh, rules)
+    arrays = jax.tree.leaves(state)
+    parts, flops, accessed = [], 0.0, 0.0
+    for group, lowered in weights_lib.lower_publish(state, in_sh, learner.mesh, rules):
+      parts.append(aot.compile_program('publish', lambda l=lowered: l, args=[arrays[i] for i in group]))
+      f, b = aot.cost(lambda l=lowered: l)
+      flops, accessed = flops + f, accessed + b
+    prog = aot.Program(
+        name='publish', argument_bytes=sum(p.argument_bytes for p in parts),
+        output_bytes=sum(p.output_bytes for p in parts), temp_bytes=max(p.temp_bytes for p in parts),
+        alias_bytes=sum(p.alias_bytes for p in parts), compile_s=sum(p.compile_s for p in parts),
+        largest=sorted((a for p in parts for a in p.largest), key=lambda t: -t[1])[:3],
+        refused=any(p.refused for p in parts), note=f'{len(parts)} programs, one after another')
+    prog.flops, prog.bytes_accessed = flops, accessed
   else:
     out_sh = in_sh
-  fn = jax.jit(weights_lib.publish_reshard, in_shardings=(in_sh,), out_shardings=out_sh)
-  prog = aot.compile_program('publish', lambda: fn.lower(state), args=state)
-  prog.flops, prog.bytes_accessed = aot.cost(lambda: fn.lower(state))
+    fn = jax.jit(lambda s: jax.tree.map(jnp.copy, s), in_shardings=(in_sh,), out_shardings=out_sh)
+    prog = aot.compile_program('publish', lambda: fn.lower(state), args=state)
+    prog.flops, prog.bytes_accessed = aot.cost(lambda: fn.lower(state))
   # What an actor's programs read: its process's copy, on the actors' own mesh (`generate.weights`).
   target = out_sh if actor_mesh is None else parallel.tree_shardings(state, actor_mesh, rules)
   return prog, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, target)
