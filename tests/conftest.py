@@ -9,6 +9,9 @@ import tempfile
 from tests import multiprocess  # No jax: safe before XLA_FLAGS is set.
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# libtpu (a test requirement: the pod plan's tests compile for TPU topologies) locks itself to one process unless
+# told otherwise; both pytest workers and their children compile with it.
+os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
 # The suite is compile-bound (tiny models, many programs): its processes compile fast (multiprocess.FAST_COMPILE).

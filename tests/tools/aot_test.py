@@ -9,9 +9,7 @@ import subprocess
 import sys
 import tempfile
 
-os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')  # Both pytest workers may hold libtpu.
-
-import jax  # pylint: disable=g-import-not-at-top
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
