@@ -302,8 +302,7 @@ class Learner:
 
   def abstract_state(self) -> state_lib.LearnerState:
     """`jax.ShapeDtypeStruct`s (with shardings) of the learner state: the restore target of a checkpoint."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
-                        self.state_shardings)
+    return state_lib.abstract(self.state, self.state_shardings)
 
   def policy_state(self) -> nnx.State:
     """All of the policy's state (params and the rest) for publishing to the sampler."""

@@ -30,6 +30,7 @@ from sao_jax.generate import weights as weights_lib
 from sao_jax.generate.config import GenerateConfig
 from sao_jax.learner import algo as algo_lib
 from sao_jax.models import loops
+from sao_jax.learner import state as state_lib
 from sao_jax.learner.learner import Learner, LearnerConfig
 from sao_jax.models.build import model_config_of
 from sao_jax.models import decode as decode_lib
@@ -126,7 +127,7 @@ def _publish(learner: Learner, actor_mesh: Mesh | None, rules: Any) -> tuple[aot
     prog.flops, prog.bytes_accessed = aot.cost(lambda: fn.lower(state))
   # What an actor's programs read: its process's copy, on the actors' own mesh (`generate.weights`).
   target = out_sh if actor_mesh is None else parallel.tree_shardings(state, actor_mesh, rules)
-  return prog, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, target)
+  return prog, state_lib.abstract(state, target)
 
 
 def _decode_weights(cfg: ModelConfig, published: Any) -> tuple[aot.Program, Any]:
@@ -140,7 +141,7 @@ def _decode_weights(cfg: ModelConfig, published: Any) -> tuple[aot.Program, Any]
     shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), abstract)
   else:
     shardings = lowered().compile().output_shardings
-  weights = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+  weights = state_lib.abstract(abstract, shardings)
   prog.flops, prog.bytes_accessed = aot.cost(lowered)
   return prog, weights
 
@@ -240,14 +241,13 @@ def _decode_step_cost(e: _Engine, published: Any, rows: int, slots: int) -> tupl
   def at_depth(layers):
     cfg = e.cfg.replace(num_layers=layers)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
-    small = jax.tree.map(lambda x: x, published)
-    small = _cut_layers(small, layers)
+    small = _cut_layers(published, layers)
     weights = jax.eval_shape(lambda s: weights_lib._to_decode_layout(graphdef, s), small)  # pylint: disable=protected-access
     fn = jax.jit(lambda w, c, l, sd: step(cfg, w, c, l, sd), donate_argnums=(1,))
     cache = _cache(cfg, rows, slots, e.place, True)
     rep = lambda shape, dtype: _replicated(mesh, shape, dtype)
     w_sh = jax.jit(lambda s: weights_lib._to_decode_layout(graphdef, s)).lower(small).compile().output_shardings  # pylint: disable=protected-access
-    weights = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), weights, w_sh)
+    weights = state_lib.abstract(weights, w_sh)
     return fn.lower(weights, cache, rep((rows,), jnp.int32), rep((rows,), jnp.uint32))
 
   return aot.depth_cost(at_depth, e.cfg.num_layers)
