@@ -29,6 +29,7 @@ from typing import Any
 
 from absl import logging
 import jax
+from flax import nnx
 from jax.experimental import multihost_utils
 import numpy as np
 
@@ -438,11 +439,14 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
     ckpt.close()
     writer.close()
     task.close()
-  if tr.export_hf and not stopped and parallel.is_main_process():
-    from sao_jax.models import hf_io  # pylint: disable=g-import-not-at-top
-    with paths.StagedDir(str(tr.export_hf)) as export:  # A URI: written locally, then uploaded.
-      hf_io.save_hf(publisher.latest()[0], model_config, export.local,  # The final weights, host-local.
-                    tokenizer_dir=config.model.hf_dir or None)
+  if tr.export_hf and not stopped:
+    # The learner's final weights (float32 wherever param_dtype is not), gathered by every process (collective).
+    graphdef, final = nnx.split(learner.policy_model())
+    final = nnx.merge(graphdef, parallel.to_host(final))
+    if parallel.is_main_process():
+      from sao_jax.models import hf_io  # pylint: disable=g-import-not-at-top
+      with paths.StagedDir(str(tr.export_hf)) as export:  # A URI: written locally, then uploaded.
+        hf_io.save_hf(final, model_config, export.local, tokenizer_dir=config.model.hf_dir or None)
   wall = time.perf_counter() - t_start
   summary = {'steps': step, 'trajectories': trajectories_trained, 'wall_s': wall,
              'start_accuracy': None if first_eval is None else first_eval['eval_accuracy'],

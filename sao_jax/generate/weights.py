@@ -1,5 +1,6 @@
 """Where the engines' weights come from: a `WeightsSource` holds the newest decode-layout snapshot, and the
-learner's `WeightPublisher` copies each new policy onto the actors' devices for the sources to take.
+learner's `WeightPublisher` converts each new policy into decode layout and compute dtype on the actors' devices
+(a `DecodePolicy`), which every actor's source takes as it is.
 
 A snapshot (`WeightsSnapshot`: weights and their policy version) is immutable and swapped as a whole: a device
 call reads it once, so calls in flight finish on the weights they started with and every generated token
@@ -9,7 +10,6 @@ carries the version that produced it.
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -22,7 +22,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from sao_jax import parallel
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.decode import DecodeWeights, decode_weights
+from sao_jax.models import decode as decode_lib
+from sao_jax.models.decode import DecodeWeights, LayerWeights, decode_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,28 +49,38 @@ def _to_decode_layout(graphdef, state) -> DecodeWeights:
 _decode_layout = jax.jit(_to_decode_layout, static_argnums=(0,))  # One program per model graph, process-wide.
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodePolicy:
+  """A policy's weights in decode layout and compute dtype (what `WeightPublisher` hands the actors): engines and
+  `WeightsSource.update_weights` take it wherever they take a model, without a conversion."""
+  cfg: ModelConfig
+  weights: DecodeWeights
+
+
 class WeightsSource:
   """The engines' weights: the snapshot of the newest policy version taken (`update_weights`).
 
   Args:
-    model: the policy (`sao_jax.models.llama.Decoder`) whose weights are converted to decode layout.
+    model: the policy (`sao_jax.models.llama.Decoder`, converted to decode layout) or a `DecodePolicy` (taken as
+      is).
     version: its policy version.
   """
 
-  def __init__(self, model: nnx.Module, *, version: int = 0):
+  def __init__(self, model: nnx.Module | DecodePolicy, *, version: int = 0):
     self.cfg: ModelConfig = model.cfg
     self._snapshot: WeightsSnapshot | None = None
     self.update_weights(model, version=version)
 
-  def update_weights(self, model: nnx.Module, *, version: int | None = None) -> None:
+  def update_weights(self, model: nnx.Module | DecodePolicy, *, version: int | None = None) -> None:
     """Takes `model`'s weights, in decode layout, as the snapshot of policy `version` (default: the current
-    version + 1): one jitted conversion, then an atomic swap of the snapshot; no engine program recompiles."""
+    version + 1): a `DecodePolicy`'s as they are (shared, no copy), a module's through one jitted conversion; then
+    an atomic swap of the snapshot; no engine program recompiles."""
     if model.cfg != self.cfg:
       raise ValueError('update_weights: the model config differs from the one the engine was built for.')
     if version is None:
       version = self._snapshot.version + 1
-    graphdef, state = nnx.split(model)
-    self._snapshot = WeightsSnapshot(_decode_layout(graphdef, state), int(version))
+    weights = model.weights if isinstance(model, DecodePolicy) else _decode_layout(*nnx.split(model))
+    self._snapshot = WeightsSnapshot(weights, int(version))
 
   @property
   def snapshot(self) -> WeightsSnapshot:
@@ -96,11 +107,29 @@ def _process_rows(devices: Sequence[jax.Device]) -> list[list[jax.Device]]:
   return [sorted(rows[p], key=lambda d: d.id) for p in sorted(rows)]
 
 
+def _copies_mesh(learner_mesh: Mesh, rows: Sequence[Sequence[jax.Device]] | None
+                 ) -> tuple[Mesh, tuple[int, ...] | None]:
+  """The mesh of the copies over `learner_mesh`'s devices (`publish_shardings`) and its explicit device order."""
+  flat = list(learner_mesh.devices.flat)
+  rows = [list(r) for r in (_process_rows(flat) if rows is None else rows)]
+  if len({len(r) for r in rows}) != 1 or sorted(d.id for r in rows for d in r) != sorted(d.id for d in flat):
+    raise ValueError(f'publish_shardings: the copies\' device groups {[[d.id for d in r] for r in rows]} must be of '
+                     f'one size and cover the learner mesh\'s devices {sorted(d.id for d in flat)} once.')
+  mesh = Mesh(np.asarray(flat, dtype=object).reshape(len(rows), 1, 1, len(rows[0])),
+              (PROCESS_AXIS, *parallel.MESH_AXES), axis_types=(AxisType.Auto,) * (1 + len(parallel.MESH_AXES)))
+  # Mesh position (copy, 0, 0, i) holds device rows[copy][i]: an explicit device order over the learner mesh's
+  # (`_logical_device_ids`, as jax's own `device_put` between device orders does), so the jit's in and out
+  # shardings keep one device assignment.
+  position = {d.id: i for i, d in enumerate(flat)}
+  ids = tuple(position[d.id] for r in rows for d in r)
+  return mesh, (None if ids == tuple(range(len(flat))) else ids)
+
+
 def publish_shardings(abstract_state: Any, learner_mesh: Mesh, rules: Sequence[tuple[str, Any]], *,
                       rows: Sequence[Sequence[jax.Device]] | None = None) -> Any:
-  """Where `publish_reshard` leaves the policy: a copy per process over that process's devices of `learner_mesh`
-  (sorted by id), sharded as `parallel.make_actor_mesh` over them and `rules` shard it (per device: the policy /
-  its process's devices); device order the learner mesh's, so one jit reads the learner state and writes this.
+  """A copy per process over that process's devices of `learner_mesh` (sorted by id), sharded as
+  `parallel.make_actor_mesh` over them and `rules` shard it (per device: the policy / its process's devices);
+  device order the learner mesh's, so one jit reads the learner state and writes this.
 
   Args:
     abstract_state: the policy state (`nnx.split(model)[1]`), concrete or of `jax.ShapeDtypeStruct`s.
@@ -114,33 +143,42 @@ def publish_shardings(abstract_state: Any, learner_mesh: Mesh, rules: Sequence[t
   Raises:
     ValueError: groups of unequal sizes, or not covering the learner mesh's devices once.
   """
-  flat = list(learner_mesh.devices.flat)
-  rows = [list(r) for r in (_process_rows(flat) if rows is None else rows)]
-  if len({len(r) for r in rows}) != 1 or sorted(d.id for r in rows for d in r) != sorted(d.id for d in flat):
-    raise ValueError(f'publish_shardings: the copies\' device groups {[[d.id for d in r] for r in rows]} must be of '
-                     f'one size and cover the learner mesh\'s devices {sorted(d.id for d in flat)} once.')
-  mesh = Mesh(np.asarray(flat, dtype=object).reshape(len(rows), 1, 1, len(rows[0])),
-              (PROCESS_AXIS, *parallel.MESH_AXES), axis_types=(AxisType.Auto,) * (1 + len(parallel.MESH_AXES)))
-  # Mesh position (copy, 0, 0, i) holds device rows[copy][i]: an explicit device order over the learner mesh's
-  # (`_logical_device_ids`, as jax's own `device_put` between device orders does), so the jit's in and out
-  # shardings keep one device assignment.
-  position = {d.id: i for i, d in enumerate(flat)}
-  ids = tuple(position[d.id] for r in rows for d in r)
-  ids = None if ids == tuple(range(len(flat))) else ids
+  mesh, ids = _copies_mesh(learner_mesh, rows)
   return jax.tree.map(lambda s: NamedSharding(mesh, s.spec, _logical_device_ids=ids),
                       parallel.tree_shardings(abstract_state, mesh, rules))
+
+
+def decode_shardings(weights: DecodeWeights, mesh: Mesh, rules: Sequence[tuple[str, Any]], *,
+                     ids: tuple[int, ...] | None = None) -> DecodeWeights:
+  """Where decode-layout `weights` (arrays or `jax.ShapeDtypeStruct`s) lie on `mesh`: their logical names
+  (`decode.layer_axes`, `decode.outer_axes`) mapped by `rules` (a dim they do not divide is replicated); `ids`: the
+  mesh's explicit device order (`_copies_mesh`)."""
+  rules_map = parallel.rules_dict(rules, mesh)
+
+  def one(names, x, what):
+    if x is None:
+      return None
+    spec = parallel.logical_to_spec(names, x.shape, mesh, rules_map, name=what)
+    return NamedSharding(mesh, spec, _logical_device_ids=ids)
+
+  layer = lambda w: LayerWeights(**{f.name: one(decode_lib.layer_axes(f.name), getattr(w, f.name), f.name)
+                                    for f in dataclasses.fields(LayerWeights)})
+  return DecodeWeights(embed=one(decode_lib.outer_axes('embed'), weights.embed, 'embed'),
+                       layers=tuple(layer(w) for w in weights.layers),
+                       final_norm=one(decode_lib.outer_axes('final_norm'), weights.final_norm, 'final_norm'),
+                       unembed=one(decode_lib.outer_axes('unembed'), weights.unembed, 'unembed'))
 
 
 def _reshard_steps(x: jax.Array, source: Any, target: NamedSharding) -> jax.Array:
   """`x` (laid out as `source`) toward `target` (a `publish_shardings` sharding) in steps XLA's partitioner does
   without gathering the whole array on one device: its split dim split over `tensor` and another dim over the
   processes, in the learner's device order (an all-to-all), then in the copies' order (a collective-permute); the
-  out sharding then gathers the processes' parts (an all-gather). Straight from the learner's layout, the
-  partitioner replicates a multi-process target's arrays first ("involuntary full rematerialization")."""
+  program's out sharding then gathers the processes' parts (an all-gather). Straight from the learner's layout,
+  the partitioner replicates a multi-process target's arrays first ("involuntary full rematerialization")."""
   spec = tuple(target.spec) + (None,) * (x.ndim - len(target.spec))
   split = [i for i, a in enumerate(spec) if a is not None]
   if not split:
-    return jnp.copy(x)  # Replicated: the out sharding all-gathers it.
+    return x
   d = split[0]
   mesh = target.mesh
   held = tuple(getattr(source, 'spec', ())) + (None,) * x.ndim
@@ -153,62 +191,87 @@ def _reshard_steps(x: jax.Array, source: Any, target: NamedSharding) -> jax.Arra
     x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*step)))
     if ids is not None:
       x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*step), _logical_device_ids=ids))
-  return jnp.copy(x)  # New buffers even where nothing moves (XLA drops the copy where something does).
+  return jax.lax.with_sharding_constraint(x, target)
 
 
-def publish_reshard(learner_shardings: Sequence[Any], out_shardings: Sequence[NamedSharding]
-                    ) -> Callable[[list[jax.Array]], list[jax.Array]]:
-  """One publish program: arrays (a list, laid out as `learner_shardings`) -> new copies (the learner's next update
-  donates its state), to jit with `in_shardings=(learner_shardings,), out_shardings=out_shardings` (lists of
-  `publish_shardings`' leaves); per device no whole array, temporaries about the size of its output."""
-  sources, targets = list(learner_shardings), list(out_shardings)
-
-  def reshard(arrays: list[jax.Array]) -> list[jax.Array]:
-    if not len(arrays) == len(sources) == len(targets):
-      raise ValueError(f'publish_reshard: {len(arrays)} arrays, {len(sources)} learner and {len(targets)} out '
-                       'shardings.')
-    return [_reshard_steps(*z) for z in zip(arrays, sources, targets)]
-
-  return reshard
+def _drop_leading(s: NamedSharding) -> NamedSharding:
+  """`s` for a slice along an array's leading (layers) dim."""
+  return NamedSharding(s.mesh, PartitionSpec(*tuple(s.spec)[1:]), _logical_device_ids=s._logical_device_ids)  # pylint: disable=protected-access
 
 
-GROUP_BYTES = 1 << 28  # Per device: output bytes of one publish program (one large array goes alone).
+@dataclasses.dataclass
+class PublishPrograms:
+  """The publish of one learner layout, lowered or compiled (`lower_publish`): `layer(params, i)` -> layer i's
+  `LayerWeights` on the copies' `decode_shardings` (run once per layer: temporaries of one layer), and
+  `outer(params)` -> (embed, final_norm, unembed); `index_sharding` is where `i` lies."""
+  layer: Any
+  outer: Any
+  num_layers: int
+  index_sharding: NamedSharding
+  shardings: DecodeWeights  # The copies' decode_shardings.
+  abstract: DecodeWeights  # Their shapes and dtypes.
+
+  def compile(self) -> PublishPrograms:
+    return dataclasses.replace(self, layer=self.layer.compile(), outer=self.outer.compile())
 
 
-def lower_publish(abstract_state: Any, learner_shardings: Any, learner_mesh: Mesh,
-                  rules: Sequence[tuple[str, Any]], *, rows: Sequence[Sequence[jax.Device]] | None = None,
-                  group_bytes: int = GROUP_BYTES) -> list[tuple[list[int], jax.stages.Lowered]]:
-  """The publish of a learner state laid out as `learner_shardings` (on `learner_mesh`) onto `publish_shardings`,
-  lowered for `abstract_state`'s shapes: programs run one after another, each on the arrays (indices into
-  `jax.tree.leaves(abstract_state)`) whose copies hold up to `group_bytes` per device, so temporaries stay those of
-  one group. Lowers on real devices or a TPU topology's (`publish_bytes` compiles them)."""
-  arrays = jax.tree.leaves(abstract_state)
-  sources = jax.tree.leaves(learner_shardings)
-  targets = jax.tree.leaves(publish_shardings(abstract_state, learner_mesh, rules, rows=rows))
-  groups: list[list[int]] = []
-  size = 0
-  for i, (x, t) in enumerate(zip(arrays, targets)):
-    nbytes = math.prod(t.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-    if not groups or size + nbytes > group_bytes:
-      groups.append([])
-      size = 0
-    groups[-1].append(i)
-    size += nbytes
-  programs = []
-  for group in groups:
-    src, dst = [sources[i] for i in group], [targets[i] for i in group]
-    fn = jax.jit(publish_reshard(src, dst), in_shardings=(src,), out_shardings=dst)
-    programs.append((group, fn.lower([arrays[i] for i in group])))
-  return programs
+def lower_publish(model: nnx.Module, learner_mesh: Mesh, rules: Sequence[tuple[str, Any]], *,
+                  rows: Sequence[Sequence[jax.Device]] | None = None) -> PublishPrograms:
+  """The publish of `model` (a policy whose arrays, concrete or `jax.ShapeDtypeStruct`s, lie on `learner_mesh`)
+  into decode layout, compute dtype, as a copy per process over that process's learner devices
+  (`publish_shardings`' mesh; `rows`: its device groups), lowered. Per layer, one program slices layer i of the
+  stacked parameters, casts them, moves them toward the copies' layout (`_reshard_steps`: never the whole array
+  on a device) and fuses them (`decode.decode_layer`); another does the embeddings and the final norm. A device
+  holds the decode weights / its process's devices, plus one layer's temporaries."""
+  cfg: ModelConfig = model.cfg
+  dt = jnp.dtype(cfg.dtype)
+  stacked, outer = decode_lib.layer_params(model), decode_lib.outer_params(model)
+  mesh, ids = _copies_mesh(learner_mesh, rows)
+  copies = publish_shardings(nnx.state(model), learner_mesh, rules, rows=rows)  # The model-form copies' layout.
+  stacked_target = decode_lib.named_params(copies, decode_lib.LAYER_PATHS)
+  outer_target = {k: v for k, v in decode_lib.named_params(copies, decode_lib.OUTER_PATHS).items() if k in outer}
+  source = lambda tree: {k: x.sharding for k, x in tree.items()}
+  stacked_source, outer_source = source(stacked), source(outer)
+  abstract = jax.eval_shape(lambda s, o: _decode_all(cfg, s, o), stacked, outer)
+  shardings = decode_shardings(abstract, mesh, rules, ids=ids)
+  index_sharding = NamedSharding(learner_mesh, PartitionSpec())
+
+  def cast(name, x):
+    return x if decode_lib.is_norm(name) else x.astype(dt)
+
+  def layer(params, i):
+    one = {k: cast(k, jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)) for k, x in params.items()}
+    one = {k: _reshard_steps(x, _drop_leading(stacked_source[k]), _drop_leading(stacked_target[k]))
+           for k, x in one.items()}
+    return jax.tree.map(jnp.copy, decode_lib.decode_layer(cfg, one))
+
+  def outer_fn(params):
+    moved = {k: _reshard_steps(cast(k, x), outer_source[k], outer_target[k]) for k, x in params.items()}
+    return jax.tree.map(jnp.copy, decode_lib.decode_outer(cfg, moved))  # Copies: never the learner's buffers.
+
+  outer_out = (shardings.embed, shardings.final_norm, shardings.unembed)
+  layer_fn = jax.jit(layer, in_shardings=(stacked_source, index_sharding), out_shardings=shardings.layers[0])
+  outer_jit = jax.jit(outer_fn, in_shardings=(outer_source,), out_shardings=outer_out)
+  index = jax.ShapeDtypeStruct((), jnp.int32, sharding=index_sharding)
+  return PublishPrograms(layer=layer_fn.lower(stacked, index), outer=outer_jit.lower(outer),
+                         num_layers=cfg.num_layers, index_sharding=index_sharding, shardings=shardings,
+                         abstract=abstract)
 
 
-def publish_bytes(abstract_state: Any, learner_shardings: Any, learner_mesh: Mesh,
-                  rules: Sequence[tuple[str, Any]], **kwargs) -> tuple[int, int]:
-  """Per device, compiled (`lower_publish`, same arguments): the publish's output bytes (all its programs') and
-  its largest temporaries (one program's)."""
-  stats = [lowered.compile().memory_analysis() for _, lowered in
-           lower_publish(abstract_state, learner_shardings, learner_mesh, rules, **kwargs)]
-  return sum(m.output_size_in_bytes for m in stats), max(m.temp_size_in_bytes for m in stats)
+def _decode_all(cfg: ModelConfig, stacked: dict[str, Any], outer: dict[str, Any]) -> DecodeWeights:
+  layers = tuple(decode_lib.decode_layer(cfg, {k: x[i] for k, x in stacked.items()}) for i in range(cfg.num_layers))
+  embed, final_norm, unembed = decode_lib.decode_outer(cfg, outer)
+  return DecodeWeights(embed=embed, layers=layers, final_norm=final_norm, unembed=unembed)
+
+
+def publish_bytes(model: nnx.Module, learner_mesh: Mesh, rules: Sequence[tuple[str, Any]], **kwargs
+                  ) -> tuple[int, int]:
+  """Per device, compiled (`lower_publish`, same arguments): the publish's output bytes (every layer's and the
+  outer program's) and its largest temporaries (one program's)."""
+  programs = lower_publish(model, learner_mesh, rules, **kwargs).compile()
+  layer, outer = programs.layer.memory_analysis(), programs.outer.memory_analysis()
+  return (programs.num_layers * layer.output_size_in_bytes + outer.output_size_in_bytes,
+          max(layer.temp_size_in_bytes, outer.temp_size_in_bytes))
 
 
 def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -265,26 +328,32 @@ def local_reshard(x: jax.Array, sharding: NamedSharding) -> jax.Array:
 
 
 class _Published(NamedTuple):
-  graphdef: Any
-  state: Any  # On the actors' sharding; futures until the update that computes them (and the copy) has run.
+  policy: DecodePolicy  # On the actors' sharding; futures until the update that computes them has run.
   version: int
 
 
+def _copied(weights: DecodeWeights) -> DecodeWeights:
+  return jax.tree.map(jnp.copy, weights)  # New buffers: the learner's next update donates its state.
+
+
+_decode_copy = jax.jit(lambda graphdef, state: _copied(_to_decode_layout(graphdef, state)), static_argnums=(0,))
+
+
 class WeightPublisher:
-  """The newest policy weights and their version, copied onto the actors' sharding (module docstring).
+  """The newest policy weights and their version, in decode layout and compute dtype on the actors' sharding
+  (`DecodePolicy`): one copy per version a process's actors all share (module docstring).
 
   Args:
     actor_mesh: this process's actors' mesh (`parallel.make_actor_mesh`), the copy sharded on it by `rules`
-      (`parallel.tree_shardings`); or None: the actors share the learner's mesh, each array keeps its sharding
-      (a device-side copy).
+      (`decode_shardings`); or None: one process whose actors share the learner's mesh (one jitted conversion, laid
+      out as XLA chooses from the learner's sharding).
     rules: `config.mesh.rules`.
 
-  With an actor mesh, the learner state is first resharded on the learner's devices (`lower_publish`'s programs,
-  which every process runs at the same point of the loop) into a copy per process over its own learner devices,
-  sharded as the actors' is: a device holds the policy / its process's learner devices, never the whole policy.
-  With `mesh.actor_devices=0` (several processes) those are the actors' devices and that copy is the actors' (no
-  further copy); else `local_reshard` moves it device to device onto the actor devices (and alone where the
-  learner's shards already are the actors' blocks, e.g. a single learner device). All of it is dispatched
+  With an actor mesh, `lower_publish`'s programs (which every process runs at the same point of the loop) convert
+  the learner state layer by layer into a copy per process over its own learner devices, sharded as the actors'
+  is: a device holds the decode weights / its process's learner devices, never the whole policy, and one layer's
+  temporaries. With `mesh.actor_devices=0` those are the actors' devices and that copy is the actors' (no further
+  copy); else `local_reshard` moves it device to device onto the actor devices. All of it is dispatched
   asynchronously (no host copy): the learner goes on.
 
   Published weights are futures of the update still in flight. Besides the newest, the publisher keeps the
@@ -298,39 +367,33 @@ class WeightPublisher:
     self._rules = tuple(rules)
     self._lock = threading.Lock()
     self._published: list[_Published] = []  # Oldest first: the newest computed one, then newer ones in flight.
-    self._copy = None
-    self._target = None
-    self._reshard = None
+    self._programs: PublishPrograms | None = None
+    self._indices: list[jax.Array] = []
+    self._target: DecodeWeights | None = None
 
-  def _to_actors(self, state: Any) -> Any:
+  def _to_actors(self, model: nnx.Module) -> DecodeWeights:
     if self._actor_mesh is None:
-      if self._copy is None:
-        self._copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
-      return self._copy(state)
-    arrays, treedef = jax.tree.flatten(state)
-    if self._target is None:
-      self._target = parallel.tree_shardings(state, self._actor_mesh, self._rules)
-      targets = jax.tree.leaves(self._target)
-      actors = set(self._actor_mesh.devices.flat)
-      if all(x.is_fully_addressable and _holds(x, t) and not actors & x.sharding.device_set
-             for x, t in zip(arrays, targets)):
-        self._reshard = []  # Every actor block is a learner shard already (e.g. one learner device): copies only.
-      else:
-        mesh = next(x.sharding.mesh for x in arrays if isinstance(x.sharding, NamedSharding))
-        learner = jax.tree.map(lambda x: x.sharding, state)
-        self._reshard = [(group, lowered.compile()) for group, lowered in
-                         lower_publish(state, learner, mesh, self._rules)]
-        # Compiled before, run after a barrier: its device groups' first collective (a gloo context on CPU, which
-        # fails when a process comes more than 30 s after another) starts with the processes together.
-        parallel.sync('publish')
-    for group, program in self._reshard:
-      for i, x in zip(group, program([arrays[i] for i in group])):
-        arrays[i] = x
-    return jax.tree.map(local_reshard, jax.tree.unflatten(treedef, arrays), self._target)
+      return _decode_copy(*nnx.split(model))
+    if self._programs is None:
+      learner_mesh = next(x.sharding.mesh for x in jax.tree.leaves(nnx.state(model))
+                          if isinstance(x.sharding, NamedSharding))
+      self._programs = lower_publish(model, learner_mesh, self._rules).compile()
+      index = self._programs.index_sharding
+      self._indices = [jax.make_array_from_callback((), index, lambda _, i=i: np.int32(i))
+                       for i in range(self._programs.num_layers)]
+      self._target = decode_shardings(self._programs.abstract, self._actor_mesh, self._rules)
+      # Compiled before, run after a barrier: its device groups' first collective (a gloo context on CPU, which
+      # fails when a process comes more than 30 s after another) starts with the processes together.
+      parallel.sync('publish')
+    stacked, outer = decode_lib.layer_params(model), decode_lib.outer_params(model)
+    layers = tuple(self._programs.layer(stacked, i) for i in self._indices)
+    embed, final_norm, unembed = self._programs.outer(outer)
+    copy = DecodeWeights(embed=embed, layers=layers, final_norm=final_norm, unembed=unembed)
+    return jax.tree.map(local_reshard, copy, self._target)
 
   def _computed(self, entry: _Published) -> bool:
     """`entry`'s arrays hold values (a program reading them runs at once)."""
-    return all(x.is_ready() for x in jax.tree.leaves(entry.state))
+    return all(x.is_ready() for x in jax.tree.leaves(entry.policy.weights))
 
   def _newest_computed(self) -> _Published | None:
     """Under the lock: the newest computed entry (older ones are let go), or None."""
@@ -341,10 +404,10 @@ class WeightPublisher:
     return None
 
   def publish(self, model: nnx.Module, *, version: int) -> None:
-    graphdef, state = nnx.split(model)
-    copied = self._to_actors(state)
+    """Copies `model` (the learner's policy) for the actors as policy `version`."""
+    policy = DecodePolicy(model.cfg, self._to_actors(model))
     with self._lock:
-      self._published.append(_Published(graphdef, copied, int(version)))
+      self._published.append(_Published(policy, int(version)))
       self._newest_computed()
 
   @property
@@ -360,14 +423,13 @@ class WeightPublisher:
       entry = self._newest_computed()
       return -1 if entry is None else entry.version
 
-  def latest(self, computed: bool = False) -> tuple[nnx.Module, int]:
-    """The newest published weights as a model, with their version; `computed`: the newest computed ones
-    (taking them costs no wait; a program reading weights still in flight waits for their update, even on
-    devices of its own)."""
+  def latest(self, computed: bool = False) -> tuple[DecodePolicy, int]:
+    """The newest published weights, with their version; `computed`: the newest computed ones (taking them costs
+    no wait; a program reading weights still in flight waits for their update, even on devices of its own)."""
     with self._lock:
       if not self._published:
         raise RuntimeError('No weights have been published yet.')
       entry = self._newest_computed() if computed else self._published[-1]
       if entry is None:
         raise RuntimeError('No published weights are computed yet.')
-    return nnx.merge(entry.graphdef, entry.state), entry.version
+    return entry.policy, entry.version

@@ -127,35 +127,92 @@ def resize_cache(cache: DecodeCache, max_len: int) -> DecodeCache:
                        valid=jnp.pad(cache.valid, ((0, 0), (0, pad))))
 
 
+# Where `decode_layer` and `decode_outer` find a `Decoder`'s parameters in its state (optional ones may be absent).
+LAYER_PATHS = dict(
+    attn_norm=('layers', 'attn_norm', 'scale'), q_proj=('layers', 'attn', 'q_proj'),
+    k_proj=('layers', 'attn', 'k_proj'), v_proj=('layers', 'attn', 'v_proj'), o_proj=('layers', 'attn', 'o_proj'),
+    q_bias=('layers', 'attn', 'q_bias'), k_bias=('layers', 'attn', 'k_bias'), v_bias=('layers', 'attn', 'v_bias'),
+    q_norm=('layers', 'attn', 'q_norm', 'scale'), k_norm=('layers', 'attn', 'k_norm', 'scale'),
+    mlp_norm=('layers', 'mlp_norm', 'scale'), gate_proj=('layers', 'mlp', 'gate_proj'),
+    up_proj=('layers', 'mlp', 'up_proj'), down_proj=('layers', 'mlp', 'down_proj'))
+OUTER_PATHS = dict(embed=('embed', 'embedding'), final_norm=('final_norm', 'scale'), lm_head=('lm_head',))
+
+
+def named_params(state: nnx.State, paths: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+  """The values of `state`'s variables at `paths` (`LAYER_PATHS`, `OUTER_PATHS`), by name; absent ones left out.
+  Values are whatever the variables hold: arrays, `jax.ShapeDtypeStruct`s, shardings."""
+  flat = {tuple(str(k) for k in path): v for path, v in state.flat_state()}
+  return {name: flat[path].get_value() for name, path in paths.items() if path in flat}
+
+
+def layer_params(model: nnx.Module) -> dict[str, Array]:
+  """A `Decoder`'s per-layer parameters by name, stacked `[L, ...]` (`decode_layer` reads one layer of each)."""
+  return named_params(nnx.state(model), LAYER_PATHS)
+
+
+def outer_params(model: nnx.Module) -> dict[str, Array]:
+  """A `Decoder`'s parameters outside its layers (what `decode_outer` reads): `embed` [V, D], `final_norm` [D] and,
+  untied, `lm_head` [D, V]."""
+  p = named_params(nnx.state(model), OUTER_PATHS)
+  if model.cfg.tie_embeddings:
+    p.pop('lm_head', None)
+  return p
+
+
+def is_norm(name: str) -> bool:
+  """Whether parameter `name` (of `layer_params` / `outer_params`) stays float32 in decode layout (norm scales)."""
+  return name.endswith('norm')
+
+
+def decode_layer(cfg: ModelConfig, p: dict[str, Array]) -> LayerWeights:
+  """One layer's decode-layout weights from its parameters (`layer_params` without the `L` axis): matmul weights and
+  biases cast to the compute dtype, fused and transposed; norm scales as they are."""
+  dt = jnp.dtype(cfg.dtype)
+  d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  cast = lambda x: x.astype(dt)
+  wqkv = jnp.concatenate([p['q_proj'].reshape(d, n * h), p['k_proj'].reshape(d, k * h),
+                          p['v_proj'].reshape(d, k * h)], axis=1).T
+  bqkv = None
+  if cfg.qkv_bias:
+    bqkv = cast(jnp.concatenate([p['q_bias'].reshape(-1), p['k_bias'].reshape(-1), p['v_bias'].reshape(-1)])[:, None])
+  return LayerWeights(
+      attn_norm=p['attn_norm'][:, None], wqkv=cast(wqkv), bqkv=bqkv,
+      q_norm=p['q_norm'] if cfg.qk_norm else None, k_norm=p['k_norm'] if cfg.qk_norm else None,
+      wo=cast(p['o_proj'].reshape(n * h, d).T), mlp_norm=p['mlp_norm'][:, None],
+      w_gate_up=cast(jnp.concatenate([p['gate_proj'], p['up_proj']], axis=1).T), w_down=cast(p['down_proj'].T))
+
+
+def decode_outer(cfg: ModelConfig, p: dict[str, Array]) -> tuple[Array, Array, Array]:
+  """`DecodeWeights`' `embed`, `final_norm` and `unembed` from `outer_params`."""
+  dt = jnp.dtype(cfg.dtype)
+  unembed = p['embed'] if cfg.tie_embeddings else p['lm_head'].T
+  return p['embed'].astype(dt), p['final_norm'][:, None], unembed.astype(dt)
+
+
 def decode_weights(model: nnx.Module) -> DecodeWeights:
   """Re-lays-out a `Decoder`'s parameters for the cached forward pass (jit it: one fused copy)."""
   cfg: ModelConfig = model.cfg
-  dt = jnp.dtype(cfg.dtype)
-  d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  blocks = model.layers
-  attn, mlp = blocks.attn, blocks.mlp
-  cast = lambda x: x.astype(dt)
-  layers = []
-  for i in range(cfg.num_layers):
-    wqkv = jnp.concatenate([attn.q_proj[...][i].reshape(d, n * h), attn.k_proj[...][i].reshape(d, k * h),
-                            attn.v_proj[...][i].reshape(d, k * h)], axis=1).T
-    bqkv = None
-    if cfg.qkv_bias:
-      bqkv = cast(jnp.concatenate([attn.q_bias[...][i].reshape(-1), attn.k_bias[...][i].reshape(-1),
-                                   attn.v_bias[...][i].reshape(-1)])[:, None])
-    layers.append(LayerWeights(
-        attn_norm=blocks.attn_norm.scale[...][i][:, None],
-        wqkv=cast(wqkv), bqkv=bqkv,
-        q_norm=attn.q_norm.scale[...][i] if cfg.qk_norm else None,
-        k_norm=attn.k_norm.scale[...][i] if cfg.qk_norm else None,
-        wo=cast(attn.o_proj[...][i].reshape(n * h, d).T),
-        mlp_norm=blocks.mlp_norm.scale[...][i][:, None],
-        w_gate_up=cast(jnp.concatenate([mlp.gate_proj[...][i], mlp.up_proj[...][i]], axis=1).T),
-        w_down=cast(mlp.down_proj[...][i].T)))
-  w, layout = model.unembedding()
-  unembed = w if layout == 'vd' else w.T
-  return DecodeWeights(embed=cast(model.embed.embedding[...]), layers=tuple(layers),
-                       final_norm=model.final_norm.scale[...][:, None], unembed=cast(unembed))
+  stacked = layer_params(model)
+  layers = tuple(decode_layer(cfg, {name: x[i] for name, x in stacked.items()}) for i in range(cfg.num_layers))
+  embed, final_norm, unembed = decode_outer(cfg, outer_params(model))
+  return DecodeWeights(embed=embed, layers=layers, final_norm=final_norm, unembed=unembed)
+
+
+# Logical axis names of the decode layout's arrays (`config.mesh.rules` map them to mesh axes; `weight_axes`).
+_LAYER_AXES = dict(attn_norm=('norm', None), wqkv=('heads', 'embed'), bqkv=('heads', None), q_norm=('norm',),
+                   k_norm=('norm',), wo=('embed', 'heads'), mlp_norm=('norm', None), w_gate_up=('mlp', 'embed'),
+                   w_down=('embed', 'mlp'))
+_OUTER_AXES = dict(embed=('vocab', 'embed'), final_norm=('norm', None), unembed=('vocab', 'embed'))
+
+
+def layer_axes(name: str) -> tuple[str | None, ...]:
+  """The logical axis names of a `LayerWeights` field (the fused q|k|v rows count as 'heads', gate|up as 'mlp')."""
+  return _LAYER_AXES[name]
+
+
+def outer_axes(name: str) -> tuple[str | None, ...]:
+  """The logical axis names of `DecodeWeights`' `embed`, `final_norm` or `unembed`."""
+  return _OUTER_AXES[name]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@
 Every state is abstract (`jax.ShapeDtypeStruct`s with the run's shardings: `Learner(..., abstract=True)`), so a
 32B model is planned on a small host; `libtpu` (`scripts/setup.sh --tpu`) gives the real TPU compiler the devices
 of a named topology (`jax.experimental.topologies`), `--topology=cpu:8` the host's own. The programs: the learner
-update (the run's algorithm, and GRPO beside SAO), the weight publish (learner -> actors' layout), the
-conversion to decode layout, the slot engine's admission and decode chunk and the static engine's prefill and
+update (the run's algorithm, and GRPO beside SAO), the weight publish (learner -> the actors' layout, in decode
+layout and compute dtype), the slot engine's admission and decode chunk and the static engine's prefill and
 decode (each with its KV cache). Per program the compiler's per-chip bytes (`memory_analysis`) with what the
 run keeps resident on the same chips meanwhile, against the chip's HBM, its FLOPs and bytes accessed
 (`cost_analysis`) and a roofline time; for the run, the learner step time, the actors' tokens/s and the MFU.

@@ -2,10 +2,11 @@
 
 Each program is the run's own jitted function (the learner's update, `generate.weights`' publish, `generate`'s
 slot and static programs) lowered with `jax.ShapeDtypeStruct`s carrying the run's shardings. Residency (what a
-program's chips hold outside its arguments while it runs): the learner state on the learner's chips; the
-published actor copy, each actor's decode-layout weights and KV cache on the actors' chips (the same chips when
-`config.mesh.actor_devices` is 0); in async mode on shared chips, also the temporaries of the other side's largest
-program (the actors decode while the learner updates).
+program's chips hold outside its arguments while it runs): the learner state on the learner's chips; on the
+actors' chips (the same chips when `config.mesh.actor_devices` is 0) two versions of the published decode-layout
+weights (`PUBLISHED_VERSIONS`; every actor thread of a process shares them) and each actor's KV cache; in async
+mode on shared chips, also the temporaries of the other side's largest program (the actors decode while the
+learner updates).
 """
 
 from __future__ import annotations
@@ -98,52 +99,41 @@ def _update_programs(raw_config: Any, cfg: ModelConfig, mesh: Mesh, rows: int, s
 
 
 def _publish(learner: Learner, actor_mesh: Mesh | None, rules: Any) -> tuple[aot.Program, Any]:
-  """The publish: the policy from the learner's shardings to the actors' layout (`generate.weights`): a copy per
-  process over its devices (several processes, or actors on devices of their own: planned on the learner's
-  devices, the local move to the actors' is not a program), else a device-side copy keeping the learner's. The
-  former is the run's programs (`weights.lower_publish`: groups of arrays one after another), as one: all their
-  outputs, the largest of their temporaries."""
-  state = learner.policy_state()
-  in_sh = jax.tree.map(lambda x: x.sharding, state)
+  """The publish (`generate.weights`): the policy from the learner's shardings into decode layout, compute dtype,
+  a copy per process over its devices (several processes, or actors on devices of their own: planned on the
+  learner's devices; the local move to the actors' own is not a program): the run's layer program, run once per
+  layer, and its embeddings program, as one program (all their outputs, the larger temporaries); on one process
+  sharing the learner's mesh, the one conversion. Returns it and the weights an actor's programs read."""
+  model = learner.policy_model()
   if actor_mesh is not None or len({d.process_index for d in learner.mesh.devices.flat}) > 1:
-    out_sh = weights_lib.publish_shardings(state, learner.mesh, rules)
-    arrays = jax.tree.leaves(state)
-    parts, flops, accessed = [], 0.0, 0.0
-    for group, lowered in weights_lib.lower_publish(state, in_sh, learner.mesh, rules):
-      parts.append(aot.compile_program('publish', lambda l=lowered: l, args=[arrays[i] for i in group]))
-      f, b = aot.cost(lambda l=lowered: l)
-      flops, accessed = flops + f, accessed + b
+    lowered = weights_lib.lower_publish(model, learner.mesh, rules)
+    stacked, outer = decode_lib.layer_params(model), decode_lib.outer_params(model)
+    index = jax.ShapeDtypeStruct((), jnp.int32, sharding=lowered.index_sharding)
+    layer = aot.compile_program('publish', lambda: lowered.layer, args=(stacked, index))
+    rest = aot.compile_program('publish', lambda: lowered.outer, args=outer)
+    n = lowered.num_layers
+    layer_cost, rest_cost = aot.cost(lambda: lowered.layer), aot.cost(lambda: lowered.outer)
     prog = aot.Program(
-        name='publish', argument_bytes=sum(p.argument_bytes for p in parts),
-        output_bytes=sum(p.output_bytes for p in parts), temp_bytes=max(p.temp_bytes for p in parts),
-        alias_bytes=sum(p.alias_bytes for p in parts), compile_s=sum(p.compile_s for p in parts),
-        largest=sorted((a for p in parts for a in p.largest), key=lambda t: -t[1])[:3],
-        refused=any(p.refused for p in parts), note=f'{len(parts)} programs, one after another')
-    prog.flops, prog.bytes_accessed = flops, accessed
+        name='publish', argument_bytes=layer.argument_bytes + rest.argument_bytes,
+        output_bytes=n * layer.output_bytes + rest.output_bytes, temp_bytes=max(layer.temp_bytes, rest.temp_bytes),
+        alias_bytes=n * layer.alias_bytes + rest.alias_bytes, compile_s=layer.compile_s + rest.compile_s,
+        largest=sorted(layer.largest + rest.largest, key=lambda t: -t[1])[:3],
+        refused=layer.refused or rest.refused, note=f'{n} layer calls and the embeddings\', one after another')
+    prog.flops, prog.bytes_accessed = n * layer_cost[0] + rest_cost[0], n * layer_cost[1] + rest_cost[1]
+    abstract, target = lowered.abstract, lowered.shardings
+    if actor_mesh is not None:
+      target = weights_lib.decode_shardings(abstract, actor_mesh, rules)
   else:
-    out_sh = in_sh
-    fn = jax.jit(lambda s: jax.tree.map(jnp.copy, s), in_shardings=(in_sh,), out_shardings=out_sh)
-    prog = aot.compile_program('publish', lambda: fn.lower(state), args=state)
-    prog.flops, prog.bytes_accessed = aot.cost(lambda: fn.lower(state))
-  # What an actor's programs read: its process's copy, on the actors' own mesh (`generate.weights`).
-  target = out_sh if actor_mesh is None else parallel.tree_shardings(state, actor_mesh, rules)
-  return prog, state_lib.abstract(state, target)
-
-
-def _decode_weights(cfg: ModelConfig, published: Any) -> tuple[aot.Program, Any]:
-  """The published weights in decode layout (`generate.weights`' conversion, at every new version)."""
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
-  lowered = lambda: weights_lib._decode_layout.lower(graphdef, published)  # pylint: disable=protected-access
-  abstract = jax.eval_shape(lambda s: weights_lib._to_decode_layout(graphdef, s), published)  # pylint: disable=protected-access
-  prog = aot.compile_program('decode layout', lowered, args=published)
-  if prog.refused:  # XLA chose no layout: take the published copy's mesh, replicated (an upper bound).
-    mesh = jax.tree.leaves(published)[0].sharding.mesh
-    shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), abstract)
-  else:
-    shardings = lowered().compile().output_shardings
-  weights = state_lib.abstract(abstract, shardings)
-  prog.flops, prog.bytes_accessed = aot.cost(lowered)
-  return prog, weights
+    graphdef, state = nnx.split(model)
+    lowered_fn = lambda: weights_lib._decode_copy.lower(graphdef, state)  # pylint: disable=protected-access
+    prog = aot.compile_program('publish', lowered_fn, args=state, note='one conversion')
+    prog.flops, prog.bytes_accessed = aot.cost(lowered_fn)
+    abstract = jax.eval_shape(lambda s: weights_lib._to_decode_layout(graphdef, s), state)  # pylint: disable=protected-access
+    if prog.refused:  # XLA chose no layout: replicated on the learner's mesh (an upper bound).
+      target = jax.tree.map(lambda _: NamedSharding(learner.mesh, PartitionSpec()), abstract)
+    else:
+      target = lowered_fn().compile().output_shardings
+  return prog, state_lib.abstract(abstract, target)
 
 
 def _cache(cfg: ModelConfig, rows: int, slots: int, place: slot_programs.CachePlacement, per_row_index: bool
@@ -227,7 +217,7 @@ def _static_programs(e: _Engine, weights: Any) -> list[aot.Program]:
   return [prefill, decode]
 
 
-def _decode_step_cost(e: _Engine, published: Any, rows: int, slots: int) -> tuple[float, float]:
+def _decode_step_cost(e: _Engine, weights: Any, rows: int, slots: int) -> tuple[float, float]:
   """FLOPs and bytes of one decode step of `rows` rows attending over `slots` slots (the actors' token cost)."""
 
   def step(cfg, weights, cache, last, seeds):
@@ -240,27 +230,18 @@ def _decode_step_cost(e: _Engine, published: Any, rows: int, slots: int) -> tupl
 
   def at_depth(layers):
     cfg = e.cfg.replace(num_layers=layers)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
-    small = _cut_layers(published, layers)
-    weights = jax.eval_shape(lambda s: weights_lib._to_decode_layout(graphdef, s), small)  # pylint: disable=protected-access
     fn = jax.jit(lambda w, c, l, sd: step(cfg, w, c, l, sd), donate_argnums=(1,))
     cache = _cache(cfg, rows, slots, e.place, True)
     rep = lambda shape, dtype: _replicated(mesh, shape, dtype)
-    w_sh = jax.jit(lambda s: weights_lib._to_decode_layout(graphdef, s)).lower(small).compile().output_shardings  # pylint: disable=protected-access
-    weights = state_lib.abstract(weights, w_sh)
-    return fn.lower(weights, cache, rep((rows,), jnp.int32), rep((rows,), jnp.uint32))
+    return fn.lower(weights.replace(layers=weights.layers[:layers]), cache, rep((rows,), jnp.int32),
+                    rep((rows,), jnp.uint32))
 
   return aot.depth_cost(at_depth, e.cfg.num_layers)
 
 
-def _cut_layers(state: Any, layers: int) -> Any:
-  """An abstract policy state with its stacked layer params cut to `layers` (their leading axis)."""
-  def one(path, x):
-    keys = [str(getattr(k, 'key', k)) for k in path]
-    if 'layers' in keys and x.ndim >= 1:
-      return jax.ShapeDtypeStruct((layers,) + x.shape[1:], x.dtype, sharding=x.sharding)
-    return x
-  return jax.tree_util.tree_map_with_path(one, state)
+# Versions of the published weights the actors' chips hold: the one they decode with and the next, being published
+# (`generate.weights.WeightPublisher` keeps two copies at most; the engines share them).
+PUBLISHED_VERSIONS = 2
 
 
 def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, topology: str, *, seq_len: int = 0,
@@ -284,8 +265,7 @@ def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, to
   updates, learner = _update_programs(raw_config, cfg, mesh, rows, seq_len, grpo)
   learner_bytes = aot.tree_bytes_per_chip((learner.state, learner.ref_state))
 
-  publish, published = _publish(learner, actor_mesh, config.mesh.rules)
-  to_decode, weights = _decode_weights(cfg, published)
+  publish, weights = _publish(learner, actor_mesh, config.mesh.rules)
   settings = GenerateConfig.from_config(config)
   group_size = learner.step_config.group_size
   slots = settings.episodes_per_call(group_size)
@@ -304,10 +284,8 @@ def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, to
       cache_bytes = aot.tree_bytes_per_chip(static_progs[0].cache)
 
   threads = int(config.sampler.num_threads)
-  published_bytes = aot.tree_bytes_per_chip(published)
-  weights_bytes = aot.tree_bytes_per_chip(weights)
-  actors_resident = published_bytes + threads * (weights_bytes + cache_bytes)
-  learner_resident = learner_bytes
+  weights_bytes = aot.tree_bytes_per_chip(weights)  # One version, shared by every actor thread of a process.
+  actors_resident = PUBLISHED_VERSIONS * weights_bytes + threads * cache_bytes
   # Async on shared chips: the actors' programs run while the update does, each with its temporaries.
   engine_progs = slot_progs if settings.continuous else static_progs
   concurrent = shared and str(config.trainer.mode) == 'async'
@@ -316,15 +294,16 @@ def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, to
   learner_temp = max((p.temp_bytes for p in updates[:1] if not p.refused), default=0) if concurrent else 0
   for p in updates:
     p.resident_bytes = (actors_resident + actors_temp) if shared else 0
-  publish.resident_bytes = learner_bytes - publish.argument_bytes + (actors_resident + actors_temp if shared else 0)
-  to_decode.resident_bytes = (learner_resident + learner_temp if shared else 0) + actors_resident
+  # The publish's outputs are the new version; the actors keep the one they decode with.
+  publish.resident_bytes = learner_bytes - publish.argument_bytes + (
+      actors_resident - weights_bytes + actors_temp if shared else 0)
   for p in slot_progs + static_progs:
-    # Arguments: this actor's weights and cache; other actors' and the published copy stay.
-    p.resident_bytes = ((learner_resident + learner_temp) if shared else 0) + published_bytes + (threads - 1) * (
-        weights_bytes + cache_bytes)
+    # Arguments: one version of the weights and this actor's cache; the other version and caches stay.
+    p.resident_bytes = ((learner_bytes + learner_temp) if shared else 0) + actors_resident - weights_bytes - (
+        cache_bytes)
 
   # ---- The run's figures (rooflines of the compiler's counts).
-  step_flops, step_bytes = _decode_step_cost(engine, published, slots, slots_lib.cache_length(settings.max_seq_len))
+  step_flops, step_bytes = _decode_step_cost(engine, weights, slots, slots_lib.cache_length(settings.max_seq_len))
   # The decode loops' costs: their steps' (a while loop's body counts once), at the whole cache's window.
   decoders = ([(slot_progs[1], settings.decode_steps)] if slot_progs else []) + (
       [(static_progs[1], static_progs[1].steps)] if static_progs else [])
@@ -348,5 +327,5 @@ def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, to
       'publish_s': publish.roofline_s(chip),
   }
   return aot.Plan(topology=topology, chip=chip, num_devices=len(devices), model=cfg.name,
-                  num_params=cfg.num_params(), programs=updates + [publish, to_decode] + slot_progs + static_progs,
+                  num_params=cfg.num_params(), programs=updates + [publish] + slot_progs + static_progs,
                   run=run)

@@ -3,8 +3,9 @@
 Usage: python -m tests.generate.publish_worker OUT_DIR, started by `tests.multiprocess.start` (the SAO_* env vars,
 4 CPU devices per process). For `mesh.actor_devices` 0, 1 and 2 it builds the tiny policy on the learner mesh
 (`parallel.split_devices`), publishes it twice (the second time doubled), and checks on each process that the
-actors' copy equals the learner's values and carries exactly the actor mesh's shardings; it writes what it saw (and
-the per-device bytes of the publish's copy on the learner devices) to OUT_DIR/publish<process>.json.
+actors' copy equals `decode.decode_weights` of the learner's values and carries exactly the actor mesh's decode
+shardings; it writes what it saw (and the per-device bytes of the publish's copy on the learner devices) to
+OUT_DIR/publish<process>.json.
 """
 
 import json
@@ -20,6 +21,7 @@ def main(out: str) -> None:
   from sao_jax import models  # pylint: disable=g-import-not-at-top
   from sao_jax import parallel  # pylint: disable=g-import-not-at-top
   from sao_jax.generate import weights  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import decode  # pylint: disable=g-import-not-at-top
 
   assert parallel.initialize(timeout_s=120)
   assert jax.process_count() == 2 and jax.local_device_count() == 4, (jax.process_count(), jax.local_device_count())
@@ -38,23 +40,23 @@ def main(out: str) -> None:
     graphdef, state = nnx.split(model)
     for version, learner_state in ((1, state), (2, double(state))):
       publisher.publish(nnx.merge(graphdef, learner_state), version=version)
-      copy, got_version = publisher.latest()
+      policy, got_version = publisher.latest()
       assert got_version == version, (got_version, version)
-      want = jax.tree.leaves(parallel.to_host(learner_state))
-      got = jax.tree.leaves(nnx.state(copy))
-      shardings = jax.tree.leaves(parallel.tree_shardings(learner_state, actor_mesh, rules))
+      host = jax.device_put(parallel.to_host(learner_state), jax.local_devices()[0])
+      want = jax.tree.leaves(jax.jit(decode.decode_weights)(nnx.merge(graphdef, host)))
+      got = jax.tree.leaves(policy.weights)
+      shardings = jax.tree.leaves(weights.decode_shardings(policy.weights, actor_mesh, rules))
       assert len(got) == len(want) == len(shardings)
       for g, w, s in zip(got, want, shardings):
         assert g.sharding == s, (n, g.sharding, s)
-        np.testing.assert_array_equal(np.asarray(g), w)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     seen[str(n)] = {
         'actor_processes': [d.process_index for d in actor_devices],
         'bytes_per_actor_device': {str(d.id): sum(s.data.nbytes for x in got for s in x.addressable_shards
                                                   if s.device == d) for d in actor_devices},
         'policy_bytes': sum(x.nbytes for x in got),
         # Per learner device, the publish's copy (compiled by this process, grouped by the devices' processes).
-        'learner_copy_bytes': weights.publish_bytes(state, jax.tree.map(lambda x: x.sharding, state), mesh,
-                                                    rules)[0],
+        'learner_copy_bytes': weights.publish_bytes(model, mesh, rules)[0],
     }
   with open(os.path.join(out, f'publish{jax.process_index()}.json'), 'w') as f:
     json.dump(seen, f)

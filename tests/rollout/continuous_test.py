@@ -771,26 +771,26 @@ class ContinuousTest(absltest.TestCase):
     # after the program ended (this thread descheduled that long) tells nothing: that try is repeated with a
     # program 4x longer, never counted as a pass.
     spin = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda i, a: jnp.tanh(a @ a), x))
-    x = jnp.full((64, 64), 1e-3)
+    x = jnp.full((self.model.cfg.embed_dim,) * 2, 1e-3)  # Row 0 of its result: a final-norm scale.
     spin(x, 10).block_until_ready()  # Compiled.
     start = time.perf_counter()
     spin(x, 200).block_until_ready()
     n = int(200 * 1.5 / max(time.perf_counter() - start, 1e-4))
     for _ in range(3):
       real = WeightPublisher()
-      real.publish(nnx.Linear(1, 1, rngs=nnx.Rngs(0)), version=1)
-      linear = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
-      linear.kernel.value = spin(x, n)  # Dispatched: its value is a future for ~1.5 s.
-      real.publish(linear, version=2)
+      real.publish(self.model, version=1)
+      slow = nnx.clone(self.model)  # Its own variables: the class's model stays as it is.
+      slow.final_norm.scale.value = spin(x, n)[0]  # Dispatched: its value is a future for ~1.5 s.
+      real.publish(slow, version=2)
       answer = (real.version, real.computed_version, real.latest(computed=True)[1])
-      if not linear.kernel.value.is_ready():
+      if not slow.final_norm.scale.value.is_ready():
         break
-      jax.block_until_ready(linear.kernel.value)
+      jax.block_until_ready(slow.final_norm.scale.value)
       n *= 4
     else:
       self.fail('the program ended before the publisher was asked, 3 times')
     self.assertEqual(answer, (2, 1, 1))
-    jax.block_until_ready(real.latest()[0])
+    jax.block_until_ready(real.latest()[0].weights)
     self.assertEqual(real.computed_version, 2)
 
   def test_actor_streams_whole_groups_of_the_static_episodes(self):

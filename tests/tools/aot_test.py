@@ -87,7 +87,7 @@ class PlanTest(absltest.TestCase):
     cls.by_name = {p.name: p for p in cls.plan.programs}
 
   def test_every_program_compiles_with_positive_figures(self):
-    self.assertEqual(set(self.by_name), {'update (sao)', 'update (grpo)', 'publish', 'decode layout', 'slot admit',
+    self.assertEqual(set(self.by_name), {'update (sao)', 'update (grpo)', 'publish', 'slot admit',
                                          'slot decode', 'static prefill', 'static decode'})
     for p in self.plan.programs:
       with self.subTest(p.name):
