@@ -386,11 +386,14 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
       pending = learner.dispatch(packed.batch)
       done_clock.watch(pending[2:])  # The step's metrics and counters (ready when it has run).
       step += 1  # The policy version once this update lands (host-side: reading the device step would block).
-      publisher.publish(learner.policy_model(), version=step)
       if prefetch and step < int(tr.num_steps):
         upcoming = draw(step)
         upcoming = (upcoming[0]._replace(batch=learner.put_batch(upcoming[0].batch)), *upcoming[1:])
       learner_metrics = learner.collect(pending)
+      # Published once the update has run: its outputs are not allocated while the update's temporaries are, so
+      # chips the actors share hold one published version during an update (docs/design.md, Devices). The
+      # actors take computed versions only: they see it no later than before.
+      publisher.publish(learner.policy_model(), version=step)
       task.set_step(step)  # Step-scheduled tasks (drift with unit='steps') move on with the learner.
       last_done = done_clock.done_at()
       dt, last_dispatch = t_dispatch - last_dispatch, t_dispatch

@@ -356,10 +356,10 @@ class WeightPublisher:
   copy); else `local_reshard` moves it device to device onto the actor devices. All of it is dispatched
   asynchronously (no host copy): the learner goes on.
 
-  Published weights are futures of the update still in flight. Besides the newest, the publisher keeps the
-  newest computed version (`latest(computed=True)`, `computed_version`) until a newer one is computed too: the
-  trainer publishes right after each dispatch, so a busy learner's newest weights are nearly always in flight,
-  and an actor that only takes computed weights must still find the previous version (two copies at most).
+  Published weights are futures of the programs that compute them. Besides the newest, the publisher keeps the
+  newest computed version (`latest(computed=True)`, `computed_version`) until a newer one is computed too, so an
+  actor that only takes computed weights always finds one (two copies at most; the trainer publishes once each
+  update has run, so its temporaries and a second copy are not allocated together).
   """
 
   def __init__(self, actor_mesh: Mesh | None = None, rules: Sequence[tuple[str, Any]] = ()):

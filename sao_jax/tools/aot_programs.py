@@ -3,10 +3,9 @@
 Each program is the run's own jitted function (the learner's update, `generate.weights`' publish, `generate`'s
 slot and static programs) lowered with `jax.ShapeDtypeStruct`s carrying the run's shardings. Residency (what a
 program's chips hold outside its arguments while it runs): the learner state on the learner's chips; on the
-actors' chips (the same chips when `config.mesh.actor_devices` is 0) two versions of the published decode-layout
-weights (`PUBLISHED_VERSIONS`; every actor thread of a process shares them) and each actor's KV cache; in async
-mode on shared chips, also the temporaries of the other side's largest program (the actors decode while the
-learner updates).
+actors' chips (the same chips when `config.mesh.actor_devices` is 0) the published decode-layout weights (one
+version during an update, two otherwise: `VERSIONS_IN_UPDATE`, `VERSIONS_ELSE`; every actor thread of a process
+shares them) and each actor's KV cache. A chip runs one program at a time, so no other program's temporaries.
 """
 
 from __future__ import annotations
@@ -239,9 +238,10 @@ def _decode_step_cost(e: _Engine, weights: Any, rows: int, slots: int) -> tuple[
   return aot.depth_cost(at_depth, e.cfg.num_layers)
 
 
-# Versions of the published weights the actors' chips hold: the one they decode with and the next, being published
-# (`generate.weights.WeightPublisher` keeps two copies at most; the engines share them).
-PUBLISHED_VERSIONS = 2
+# Versions of the published weights the actors' chips hold while the learner's update runs (the trainer publishes
+# once an update has run), and while a publish or an actor's program runs (the version the actors decode with and
+# the next one; `generate.weights.WeightPublisher` keeps two copies at most, every actor thread shares them).
+VERSIONS_IN_UPDATE, VERSIONS_ELSE = 1, 2
 
 
 def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, topology: str, *, seq_len: int = 0,
@@ -285,22 +285,17 @@ def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, to
 
   threads = int(config.sampler.num_threads)
   weights_bytes = aot.tree_bytes_per_chip(weights)  # One version, shared by every actor thread of a process.
-  actors_resident = PUBLISHED_VERSIONS * weights_bytes + threads * cache_bytes
-  # Async on shared chips: the actors' programs run while the update does, each with its temporaries.
-  engine_progs = slot_progs if settings.continuous else static_progs
-  concurrent = shared and str(config.trainer.mode) == 'async'
-  # (A program the compiler refused has no temporaries to count: it is named as not fitting itself.)
-  actors_temp = max((p.temp_bytes for p in engine_progs if not p.refused), default=0) if concurrent else 0
-  learner_temp = max((p.temp_bytes for p in updates[:1] if not p.refused), default=0) if concurrent else 0
+  caches = threads * cache_bytes
+  # A chip runs one program at a time: another program's temporaries are not live during this one's; what is
+  # resident is the other side's state (learner state; published versions and KV caches).
   for p in updates:
-    p.resident_bytes = (actors_resident + actors_temp) if shared else 0
+    p.resident_bytes = (VERSIONS_IN_UPDATE * weights_bytes + caches) if shared else 0
   # The publish's outputs are the new version; the actors keep the one they decode with.
   publish.resident_bytes = learner_bytes - publish.argument_bytes + (
-      actors_resident - weights_bytes + actors_temp if shared else 0)
+      (VERSIONS_ELSE - 1) * weights_bytes + caches if shared else 0)
   for p in slot_progs + static_progs:
     # Arguments: one version of the weights and this actor's cache; the other version and caches stay.
-    p.resident_bytes = ((learner_bytes + learner_temp) if shared else 0) + actors_resident - weights_bytes - (
-        cache_bytes)
+    p.resident_bytes = (learner_bytes if shared else 0) + (VERSIONS_ELSE - 1) * weights_bytes + caches - cache_bytes
 
   # ---- The run's figures (rooflines of the compiler's counts).
   step_flops, step_bytes = _decode_step_cost(engine, weights, slots, slots_lib.cache_length(settings.max_seq_len))
