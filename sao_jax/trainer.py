@@ -390,10 +390,13 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
         upcoming = draw(step)
         upcoming = (upcoming[0]._replace(batch=learner.put_batch(upcoming[0].batch)), *upcoming[1:])
       learner_metrics = learner.collect(pending)
-      # Published once the update has run: its outputs are not allocated while the update's temporaries are, so
-      # chips the actors share hold one published version during an update (docs/design.md, Devices). The
-      # actors take computed versions only: they see it no later than before.
-      publisher.publish(learner.policy_model(), version=step)
+      # Published once the update has run on every device (`collect` reads replicated metrics from one): the
+      # copy is not allocated beside the update's temporaries, so chips the actors share hold one published
+      # version during an update (docs/design.md, Devices). The actors take computed versions only: they see
+      # it no later than before.
+      policy = learner.policy_model()
+      jax.block_until_ready(nnx.state(policy))
+      publisher.publish(policy, version=step)
       task.set_step(step)  # Step-scheduled tasks (drift with unit='steps') move on with the learner.
       last_done = done_clock.done_at()
       dt, last_dispatch = t_dispatch - last_dispatch, t_dispatch

@@ -8,6 +8,7 @@ from unittest import mock
 from absl.testing import absltest
 import jax
 import numpy as np
+from flax import nnx
 
 from configs import arith
 from sao_jax import checkpoint as checkpoint_lib
@@ -103,9 +104,18 @@ class TrainerTest(absltest.TestCase):
 
   def test_async_run_respects_the_staleness_bound(self):
     workdir = tempfile.mkdtemp()
-    summary = trainer.run(tiny_config(workdir, mode='async', num_steps=3, max_staleness=1, queue_size=16,
-                                      checkpoint_every=0))
+    publish, ready = trainer.WeightPublisher.publish, []
+
+    def spy(publisher, model, *, version):  # Whether the update that made `model` had run when it was published.
+      ready.append(all(x.is_ready() for x in jax.tree.leaves(nnx.state(model))))
+      return publish(publisher, model, version=version)
+
+    with mock.patch.object(trainer.WeightPublisher, 'publish', spy):
+      summary = trainer.run(tiny_config(workdir, mode='async', num_steps=3, max_staleness=1, queue_size=16,
+                                        checkpoint_every=0))
     self.assertEqual(summary['steps'], 3)
+    # Published once each update has run, never beside its temporaries (the initial weights, then 3 updates).
+    self.assertEqual(ready, [True] * 4)
     rows = metrics.read_metrics(workdir)
     self.assertEqual([r['step'] for r in rows], [1, 2, 3])
     for r in rows:
