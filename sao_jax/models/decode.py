@@ -160,7 +160,7 @@ def outer_params(model: nnx.Module) -> dict[str, Array]:
 
 
 def is_norm(name: str) -> bool:
-  """Whether parameter `name` (of `layer_params` / `outer_params`) stays float32 in decode layout (norm scales)."""
+  """Whether parameter `name` (of `layer_params` / `outer_params`) keeps its dtype in decode layout (norm scales)."""
   return name.endswith('norm')
 
 
@@ -198,7 +198,8 @@ def decode_weights(model: nnx.Module) -> DecodeWeights:
   return DecodeWeights(embed=embed, layers=layers, final_norm=final_norm, unembed=unembed)
 
 
-# Logical axis names of the decode layout's arrays (`config.mesh.rules` map them to mesh axes; `weight_axes`).
+# Logical axis names of the decode layout's arrays (`config.mesh.rules` map them to mesh axes:
+# `generate.weights.decode_shardings`).
 _LAYER_AXES = dict(attn_norm=('norm', None), wqkv=('heads', 'embed'), bqkv=('heads', None), q_norm=('norm',),
                    k_norm=('norm',), wo=('embed', 'heads'), mlp_norm=('norm', None), w_gate_up=('mlp', 'embed'),
                    w_down=('embed', 'mlp'))
