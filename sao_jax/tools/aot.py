@@ -46,8 +46,8 @@ def main(argv: Sequence[str]) -> None:
                          engines=_ENGINES.value)
   print(result.table())
   if _JSON.value:
-    with open(_JSON.value, 'w') as f:
-      json.dump(result.to_json(), f, indent=1)
+    with open(_JSON.value, 'w') as f:  # With the command that made it (its settings).
+      json.dump({'command': ' '.join(['python -m sao_jax.tools.aot', *sys.argv[1:]]), **result.to_json()}, f, indent=1)
     print(f'Wrote {_JSON.value}.')
 
 

@@ -203,6 +203,7 @@ class CommandTest(absltest.TestCase):
     with open(out) as f:
       plan = json.load(f)
     self.assertIn('update (sao)', [p['name'] for p in plan['programs']])
+    self.assertIn('--topology=cpu:4 --config.trainer.batch_size=8', plan['command'])  # Its settings, recorded.
     self.assertIn('static decode', proc.stdout)  # The demo's engine (sampler.continuous=False).
 
 
