@@ -11,12 +11,10 @@ shares them) and each actor's KV cache. A chip runs one program at a time, so no
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
