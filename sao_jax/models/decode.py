@@ -25,6 +25,9 @@ chunk is entirely padding).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import chex
@@ -220,26 +223,56 @@ def outer_axes(name: str) -> tuple[str | None, ...]:
 # Forward pass.
 
 
+# Whether attention's dots take the cache in its own dtype with float32 accumulation (`preferred_element_type`) or
+# float32 copies of it: XLA:CPU has no bf16 x bf16 -> f32 kernel for these dots, so on a CPU the cache is upcast
+# (a no-op for float32 compute); elsewhere the upcast makes the TPU compiler write a float32 copy of every layer's
+# cache at every decode step (docs/benchmarks/aot.md). Decided when a program is traced: by the default backend,
+# or by `attention_for` (the ahead-of-time plan traces TPU programs on a CPU host).
+_NATIVE_DOTS: contextvars.ContextVar[bool | None] = contextvars.ContextVar('native_attention_dots', default=None)
+
+
+@contextlib.contextmanager
+def attention_for(platform: str) -> Iterator[None]:
+  """Programs traced inside this block use `platform`'s attention formulation ('cpu': float32 copies). jit keeps
+  one trace per function and arguments: a program traced before, on the same arguments, keeps its formulation."""
+  token = _NATIVE_DOTS.set(platform != 'cpu')
+  try:
+    yield
+  finally:
+    _NATIVE_DOTS.reset(token)
+
+
+def _native_dots() -> bool:
+  native = _NATIVE_DOTS.get()
+  return jax.default_backend() != 'cpu' if native is None else native
+
+
 def _attend_one(q: Array, k_cache: Array, v_cache: Array, mask: Array, scale: float) -> Array:
-  """Single-token attention as multiply-reduce passes: q [B, K, G, H], k [B, K, H, W], v [B, K, W, H],
-  mask bool [B, W] -> [B, K, G, H]."""
-  f32 = jnp.float32  # Both reductions accumulate in float32 (no-op casts for float32 compute).
-  scores = jnp.sum(q.astype(f32)[..., None] * k_cache.astype(f32)[:, :, None], axis=-2)
+  """Single-token attention: q [B, K, G, H], k [B, K, H, W], v [B, K, W, H], mask bool [B, W] -> [B, K, G, H].
+  Both reductions accumulate in float32; probabilities are rounded to the compute dtype as in `_attend_chunk`. On
+  a CPU, multiply-reduce passes over float32 operands; elsewhere dots over the cache's own dtype."""
+  f32 = jnp.float32
+  if _native_dots():
+    scores = jnp.einsum('bkgh,bkhw->bkgw', q, k_cache, preferred_element_type=f32)
+  else:
+    scores = jnp.sum(q.astype(f32)[..., None] * k_cache.astype(f32)[:, :, None], axis=-2)
   scores = jnp.where(mask[:, None, None, :], scores * scale, _MASK_VALUE)  # [B, K, G, W]
-  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).astype(f32)  # Rounded as in `_attend_chunk`.
-  return jnp.sum(probs[..., None] * v_cache.astype(f32)[:, :, None], axis=-2).astype(q.dtype)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  if _native_dots():
+    return jnp.einsum('bkgw,bkwh->bkgh', probs, v_cache, preferred_element_type=f32).astype(q.dtype)
+  return jnp.sum(probs.astype(f32)[..., None] * v_cache.astype(f32)[:, :, None], axis=-2).astype(q.dtype)
 
 
 def _attend_chunk(q: Array, k_cache: Array, v_cache: Array, mask: Array, scale: float) -> Array:
   """Chunk attention as batched matmuls: q [B, T, K, G, H], k [B, K, H, W], v [B, K, W, H],
-  mask bool [B, T, W] -> [B, T, K, G, H]."""
+  mask bool [B, T, W] -> [B, T, K, G, H]; float32 products and sums (operands upcast on a CPU, else float32
+  accumulation of the compute dtype's products: the same values, `_native_dots`)."""
   dt, f32 = q.dtype, jnp.float32
-  # float32 products from float32 operands (XLA:CPU has no bf16 x bf16 -> f32 kernel for these dots; for
-  # float32 compute the casts are no-ops).
-  scores = jnp.einsum('btkgh,bkhs->bkgts', q.astype(f32), k_cache.astype(f32))
+  cast = (lambda x: x) if _native_dots() else (lambda x: x.astype(f32))
+  scores = jnp.einsum('btkgh,bkhs->bkgts', cast(q), cast(k_cache), preferred_element_type=f32)
   scores = jnp.where(mask[:, None, None], scores * scale, _MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1).astype(dt).astype(f32)
-  return jnp.einsum('bkgts,bksh->btkgh', probs, v_cache.astype(f32)).astype(dt)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  return jnp.einsum('bkgts,bksh->btkgh', cast(probs), cast(v_cache), preferred_element_type=f32).astype(dt)
 
 
 def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens: Array, valid: Array, *,

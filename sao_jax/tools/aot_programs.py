@@ -274,10 +274,13 @@ def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, to
                    int(config.sampler.max_new_tokens))
   # The run's engine (config.sampler.continuous: slot, else static), or both; the other's cache is not resident.
   slot_progs, static_progs, cache_bytes = [], [], 0
+  platform = 'cpu' if chip is None else 'tpu'  # The actors' attention is the topology's, not this host's.
   if settings.continuous or engines == 'both':
-    slot_progs, cache_bytes = _slot_programs(engine, weights)
+    with decode_lib.attention_for(platform):
+      slot_progs, cache_bytes = _slot_programs(engine, weights)
   if not settings.continuous or engines == 'both':
-    static_progs = _static_programs(engine, weights)
+    with decode_lib.attention_for(platform):
+      static_progs = _static_programs(engine, weights)
     if not settings.continuous:
       cache_bytes = aot.tree_bytes_per_chip(static_progs[0].cache)
 
@@ -296,7 +299,8 @@ def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, to
     p.resident_bytes = (learner_bytes if shared else 0) + (VERSIONS_ELSE - 1) * weights_bytes + caches - cache_bytes
 
   # ---- The run's figures (rooflines of the compiler's counts).
-  step_flops, step_bytes = _decode_step_cost(engine, weights, slots, slots_lib.cache_length(settings.max_seq_len))
+  with decode_lib.attention_for(platform):
+    step_flops, step_bytes = _decode_step_cost(engine, weights, slots, slots_lib.cache_length(settings.max_seq_len))
   # The decode loops' costs: their steps' (a while loop's body counts once), at the whole cache's window.
   decoders = ([(slot_progs[1], settings.decode_steps)] if slot_progs else []) + (
       [(static_progs[1], static_progs[1].steps)] if static_progs else [])

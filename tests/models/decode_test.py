@@ -1,6 +1,9 @@
-"""`decode.forward_mixed` (a decode step fused with chunk writes) against the decoder's plain forward pass."""
+"""`decode.forward_mixed` (a decode step fused with chunk writes) against the decoder's plain forward pass; the
+attention's two formulations (float32 copies of the cache on a CPU, float32 accumulation of its own dtype elsewhere)
+against a numpy reference and, compiled for a TPU, by the bytes they access."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +76,68 @@ class ForwardMixedTest(parameterized.TestCase):
     for i in range(r):
       np.testing.assert_allclose(decode.last_logits(weights, step)[i], full[i][len(seqs[i]) - 1], atol=2e-5, rtol=1e-5,
                                  err_msg=f'row {i} after the step')
+
+
+class AttentionFormulationTest(absltest.TestCase):
+
+  @staticmethod
+  def _inputs(t, dtype):
+    """Attention inputs whose values are bfloat16 numbers, in `dtype`."""
+    b, k, g, h, w = 2, 2, 3, 16, 40
+    r = np.random.default_rng(t)
+    value = lambda *shape: jnp.asarray(r.normal(size=shape), jnp.bfloat16).astype(dtype)
+    mask = jnp.asarray(r.random((b, t, w)) < 0.7).at[..., 0].set(True)
+    return value(b, t, k, g, h), value(b, k, h, w), value(b, k, w, h), mask
+
+  @staticmethod
+  def _reference(q, kc, vc, mask, scale):
+    """softmax(q . k * scale over the valid slots), rounded to q's dtype, times v: float64 from the inputs' values."""
+    f = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
+    scores = np.einsum('btkgh,bkhs->btkgs', f(q), f(kc)) * scale
+    scores = np.where(np.asarray(mask)[:, :, None, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs = f(jnp.asarray(probs / probs.sum(-1, keepdims=True), jnp.float32).astype(q.dtype))
+    return np.einsum('btkgs,bksh->btkgh', probs, f(vc))
+
+  def test_both_formulations_compute_the_attention(self):
+    # XLA:CPU runs no bfloat16 dot into float32: the TPU formulation runs here on float32 inputs (bfloat16 values),
+    # the same subscripts, masking and rounding order; the CPU one on bfloat16 inputs as a CPU run has them.
+    scale = 16 ** -0.5
+    for platform, dtype in (('cpu', jnp.bfloat16), ('tpu', jnp.float32)):
+      with self.subTest(platform):
+        with decode.attention_for(platform):
+          # Fresh function objects: jit keeps one trace per function and arguments, whatever the formulation.
+          one_fn = jax.jit(functools.partial(decode._attend_one), static_argnums=4)  # pylint: disable=protected-access
+          chunk_fn = jax.jit(functools.partial(decode._attend_chunk),  # pylint: disable=protected-access
+                             static_argnums=4)
+          q, kc, vc, mask = self._inputs(1, dtype)
+          one = one_fn(q[:, 0], kc, vc, mask[:, 0], scale)
+          q5, kc5, vc5, mask5 = self._inputs(5, dtype)
+          chunk = chunk_fn(q5, kc5, vc5, mask5, scale)
+        self.assertEqual((one.dtype, chunk.dtype), (dtype, dtype))
+        tol = 2 ** -7 if dtype == jnp.bfloat16 else 1e-5
+        for got, args in ((one[:, None], (q, kc, vc, mask)), (chunk, (q5, kc5, vc5, mask5))):
+          np.testing.assert_allclose(np.asarray(got, np.float64), self._reference(*args, scale), rtol=tol, atol=tol)
+
+  def test_on_a_tpu_the_cache_is_not_copied_to_float32(self):
+    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top  # libtpu: a test requirement.
+    chip = topologies.get_topology_desc(topology_name='v5e:2x2', platform='tpu').devices[0]
+    cache = jax.config.jax_enable_compilation_cache  # Not the suite's CPU cache: no client to load TPU programs.
+    jax.config.update('jax_enable_compilation_cache', False)
+    self.addCleanup(jax.config.update, 'jax_enable_compilation_cache', cache)
+    b, k, g, h, w = 8, 2, 4, 128, 4096
+    here = jax.sharding.SingleDeviceSharding(chip)
+    on = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=here)
+    f32_cache = re.compile(r'f32\[8,2,(128,4096|4096,128)\]')  # A float32 buffer of the keys' or the values' shape.
+    one = (on((b, k, g, h)), on((b, k, h, w)), on((b, k, w, h)), on((b, w), bool))
+    chunk = (on((b, 4, k, g, h)), on((b, k, h, w)), on((b, k, w, h)), on((b, 4, w), bool))
+    # The single-token attention's float32 upcast is what the TPU compiler keeps (its chunk dots fuse it).
+    attend_one, attend_chunk = decode._attend_one, decode._attend_chunk  # pylint: disable=protected-access
+    for fn, args, platform, copied in ((attend_one, one, 'cpu', True), (attend_one, one, 'tpu', False),
+                                       (attend_chunk, chunk, 'tpu', False)):
+      with self.subTest(f'{fn.__name__} as on a {platform}'), decode.attention_for(platform):
+        text = jax.jit(functools.partial(fn), static_argnums=4).lower(*args, h ** -0.5).compile().as_text()
+        self.assertEqual(bool(f32_cache.search(text)), copied)
 
 
 if __name__ == '__main__':
