@@ -9,7 +9,8 @@ norms and casting order; tests compare the two) in a graph shaped for decoding:
 * activations transposed, `x [D, M]` with `M = B * T`, every projection `W[out, in] @ x` (for 2 <= M < 8 the row
   orientation `x @ W`, faster there on XLA:CPU: docs/benchmarks/sampler.md);
 * `DecodeCache`: per layer, keys slot-minor `[B, K, H, S]` and values `[B, K, S, H]` (single-token attention is
-  two fused multiply-reduce passes; chunks of T > 1 tokens use batched matmuls). The chunk is written at one slot
+  two fused multiply-reduce passes on a CPU, two dots elsewhere: `attention_for`; chunks of T > 1 tokens use
+  batched matmuls). The chunk is written at one slot
   `index` for all rows (an in-place `dynamic_update_slice`), or, in a slot-major cache
   (`init_cache(..., per_row_index=True)`, `sao_jax.generate.slots`'), at one slot per row (`index [B]`);
 * `window`: a static bound on the slots attention reads (a long preallocated cache costs its filled part only).
