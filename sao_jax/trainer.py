@@ -446,7 +446,7 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
     writer.close()
     task.close()
   if tr.export_hf and not stopped:
-    # The learner's final weights (float32 wherever param_dtype is not), gathered by every process (collective).
+    # The learner's final weights (save_hf writes them in float32), gathered by every process (collective).
     graphdef, final = nnx.split(learner.policy_model())
     final = nnx.merge(graphdef, parallel.to_host(final))
     if parallel.is_main_process():

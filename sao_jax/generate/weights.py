@@ -210,9 +210,20 @@ class PublishPrograms:
   index_sharding: NamedSharding
   shardings: DecodeWeights  # The copies' decode_shardings.
   abstract: DecodeWeights  # Their shapes and dtypes.
+  _indices: list[jax.Array] | None = None  # Each layer's `i`, made at the first call (on real devices).
 
   def compile(self) -> PublishPrograms:
     return dataclasses.replace(self, layer=self.layer.compile(), outer=self.outer.compile())
+
+  def __call__(self, model: nnx.Module) -> DecodeWeights:
+    """The copies of `model` (the learner's policy), compiled programs run one after another."""
+    if self._indices is None:
+      self._indices = [jax.make_array_from_callback((), self.index_sharding, lambda _, i=i: np.int32(i))
+                       for i in range(self.num_layers)]
+    stacked = decode_lib.layer_params(model)
+    layers = tuple(self.layer(stacked, i) for i in self._indices)
+    embed, final_norm, unembed = self.outer(decode_lib.outer_params(model))
+    return DecodeWeights(embed=embed, layers=layers, final_norm=final_norm, unembed=unembed)
 
 
 def lower_publish(model: nnx.Module, learner_mesh: Mesh, rules: Sequence[tuple[str, Any]], *,
@@ -232,7 +243,7 @@ def lower_publish(model: nnx.Module, learner_mesh: Mesh, rules: Sequence[tuple[s
   outer_target = {k: v for k, v in decode_lib.named_params(copies, decode_lib.OUTER_PATHS).items() if k in outer}
   source = lambda tree: {k: x.sharding for k, x in tree.items()}
   stacked_source, outer_source = source(stacked), source(outer)
-  abstract = jax.eval_shape(lambda s, o: _decode_all(cfg, s, o), stacked, outer)
+  abstract = jax.eval_shape(lambda s, o: decode_lib.assemble(cfg, s, o), stacked, outer)
   shardings = decode_shardings(abstract, mesh, rules, ids=ids)
   index_sharding = NamedSharding(learner_mesh, PartitionSpec())
 
@@ -256,12 +267,6 @@ def lower_publish(model: nnx.Module, learner_mesh: Mesh, rules: Sequence[tuple[s
   return PublishPrograms(layer=layer_fn.lower(stacked, index), outer=outer_jit.lower(outer),
                          num_layers=cfg.num_layers, index_sharding=index_sharding, shardings=shardings,
                          abstract=abstract)
-
-
-def _decode_all(cfg: ModelConfig, stacked: dict[str, Any], outer: dict[str, Any]) -> DecodeWeights:
-  layers = tuple(decode_lib.decode_layer(cfg, {k: x[i] for k, x in stacked.items()}) for i in range(cfg.num_layers))
-  embed, final_norm, unembed = decode_lib.decode_outer(cfg, outer)
-  return DecodeWeights(embed=embed, layers=layers, final_norm=final_norm, unembed=unembed)
 
 
 def publish_bytes(model: nnx.Module, learner_mesh: Mesh, rules: Sequence[tuple[str, Any]], **kwargs
@@ -299,13 +304,6 @@ def _assemble(box, held, device: jax.Device) -> jax.Array:
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=dim)
 
   return concat(pieces, 0)
-
-
-def _holds(x: jax.Array, sharding: NamedSharding) -> bool:
-  """Every block `sharding` puts on this process's devices is one of `x`'s addressable shards."""
-  shape = tuple(x.shape)
-  held = {_box(s.index, shape) for s in x.addressable_shards}
-  return all(_box(i, shape) in held for i in sharding.addressable_devices_indices_map(shape).values())
 
 
 def local_reshard(x: jax.Array, sharding: NamedSharding) -> jax.Array:
@@ -368,7 +366,6 @@ class WeightPublisher:
     self._lock = threading.Lock()
     self._published: list[_Published] = []  # Oldest first: the newest computed one, then newer ones in flight.
     self._programs: PublishPrograms | None = None
-    self._indices: list[jax.Array] = []
     self._target: DecodeWeights | None = None
 
   def _to_actors(self, model: nnx.Module) -> DecodeWeights:
@@ -378,18 +375,11 @@ class WeightPublisher:
       learner_mesh = next(x.sharding.mesh for x in jax.tree.leaves(nnx.state(model))
                           if isinstance(x.sharding, NamedSharding))
       self._programs = lower_publish(model, learner_mesh, self._rules).compile()
-      index = self._programs.index_sharding
-      self._indices = [jax.make_array_from_callback((), index, lambda _, i=i: np.int32(i))
-                       for i in range(self._programs.num_layers)]
       self._target = decode_shardings(self._programs.abstract, self._actor_mesh, self._rules)
       # Compiled before, run after a barrier: its device groups' first collective (a gloo context on CPU, which
       # fails when a process comes more than 30 s after another) starts with the processes together.
       parallel.sync('publish')
-    stacked, outer = decode_lib.layer_params(model), decode_lib.outer_params(model)
-    layers = tuple(self._programs.layer(stacked, i) for i in self._indices)
-    embed, final_norm, unembed = self._programs.outer(outer)
-    copy = DecodeWeights(embed=embed, layers=layers, final_norm=final_norm, unembed=unembed)
-    return jax.tree.map(local_reshard, copy, self._target)
+    return jax.tree.map(local_reshard, self._programs(model), self._target)
 
   def _computed(self, entry: _Published) -> bool:
     """`entry`'s arrays hold values (a program reading them runs at once)."""

@@ -193,13 +193,16 @@ def decode_outer(cfg: ModelConfig, p: dict[str, Array]) -> tuple[Array, Array, A
   return p['embed'].astype(dt), p['final_norm'][:, None], unembed.astype(dt)
 
 
+def assemble(cfg: ModelConfig, stacked: dict[str, Array], outer: dict[str, Array]) -> DecodeWeights:
+  """`DecodeWeights` from `layer_params`' stacked arrays and `outer_params`' (arrays or abstract values)."""
+  layers = tuple(decode_layer(cfg, {name: x[i] for name, x in stacked.items()}) for i in range(cfg.num_layers))
+  embed, final_norm, unembed = decode_outer(cfg, outer)
+  return DecodeWeights(embed=embed, layers=layers, final_norm=final_norm, unembed=unembed)
+
+
 def decode_weights(model: nnx.Module) -> DecodeWeights:
   """Re-lays-out a `Decoder`'s parameters for the cached forward pass (jit it: one fused copy)."""
-  cfg: ModelConfig = model.cfg
-  stacked = layer_params(model)
-  layers = tuple(decode_layer(cfg, {name: x[i] for name, x in stacked.items()}) for i in range(cfg.num_layers))
-  embed, final_norm, unembed = decode_outer(cfg, outer_params(model))
-  return DecodeWeights(embed=embed, layers=layers, final_norm=final_norm, unembed=unembed)
+  return assemble(model.cfg, layer_params(model), outer_params(model))
 
 
 # Logical axis names of the decode layout's arrays (`config.mesh.rules` map them to mesh axes:

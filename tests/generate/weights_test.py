@@ -63,15 +63,6 @@ def _build(devices, fsdp):
   return models.build(_config().model, mesh=mesh, rules=RULES, seed=0)[0], mesh
 
 
-def _run(programs, model) -> decode.DecodeWeights:
-  """The compiled publish programs run on `model` (the learner's): the copies, on the learner's devices."""
-  stacked, outer = decode.layer_params(model), decode.outer_params(model)
-  index = lambda i: jax.device_put(np.int32(i), programs.index_sharding)
-  layers = tuple(programs.layer(stacked, index(i)) for i in range(programs.num_layers))
-  embed, final_norm, unembed = programs.outer(outer)
-  return decode.DecodeWeights(embed=embed, layers=layers, final_norm=final_norm, unembed=unembed)
-
-
 def _reference(model) -> list[np.ndarray]:
   """`decode.decode_weights` of the model's values, on one device."""
   graphdef, state = nnx.split(model)
@@ -141,7 +132,7 @@ class PublishLayoutTest(absltest.TestCase):
       with self.subTest(name):
         model, mesh = _build(learner_devices, fsdp)
         want = _reference(model)
-        copy = _run(weights.lower_publish(model, mesh, RULES, rows=rows).compile(), model)
+        copy = weights.lower_publish(model, mesh, RULES, rows=rows).compile()(model)
         actor_mesh = parallel.make_actor_mesh(actor_devices)
         targets = weights.decode_shardings(copy, actor_mesh, RULES)
         for leaf, w, target in zip(jax.tree.leaves(copy), want, jax.tree.leaves(targets)):
