@@ -240,7 +240,7 @@ def lower_publish(model: nnx.Module, learner_mesh: Mesh, rules: Sequence[tuple[s
   mesh, ids = _copies_mesh(learner_mesh, rows)
   copies = publish_shardings(nnx.state(model), learner_mesh, rules, rows=rows)  # The model-form copies' layout.
   stacked_target = decode_lib.named_params(copies, decode_lib.LAYER_PATHS)
-  outer_target = {k: v for k, v in decode_lib.named_params(copies, decode_lib.OUTER_PATHS).items() if k in outer}
+  outer_target = decode_lib.named_params(copies, decode_lib.OUTER_PATHS)
   source = lambda tree: {k: x.sharding for k, x in tree.items()}
   stacked_source, outer_source = source(stacked), source(outer)
   abstract = jax.eval_shape(lambda s, o: decode_lib.assemble(cfg, s, o), stacked, outer)

@@ -157,10 +157,7 @@ def layer_params(model: nnx.Module) -> dict[str, Array]:
 def outer_params(model: nnx.Module) -> dict[str, Array]:
   """A `Decoder`'s parameters outside its layers (what `decode_outer` reads): `embed` [V, D], `final_norm` [D] and,
   untied, `lm_head` [D, V]."""
-  p = named_params(nnx.state(model), OUTER_PATHS)
-  if model.cfg.tie_embeddings:
-    p.pop('lm_head', None)
-  return p
+  return named_params(nnx.state(model), OUTER_PATHS)  # A tied Decoder has no lm_head.
 
 
 def is_norm(name: str) -> bool:
