@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
@@ -223,8 +224,12 @@ def _number(value: Any) -> Fraction:
   raise ValueError(f'answer {value!r:.60} is not a number')
 
 
-def load_eval_file(path: str, opts: ArithWordsOptions, field: str = 'task.kwargs.eval_file') -> list[base.Example]:
+def load_eval_file(path: str, opts: ArithWordsOptions, field: str = 'task.kwargs.eval_file',
+                   reports: list[datasets.FileReport] | None = None) -> list[base.Example]:
   """The rows of a `{"id", "problem", "answer"}` file (JSONL, JSON, CSV or Parquet) as examples.
+
+  Each example records `data['file']` and `data['row']`; the file's report (every row kept) is appended to
+  `reports` when given.
 
   Raises:
     ConfigError: naming `config.<field>`, the file and the row, for the first malformed row (not an object, a
@@ -254,7 +259,9 @@ def load_eval_file(path: str, opts: ArithWordsOptions, field: str = 'task.kwargs
       raise ConfigError(f'config.{field}={path!r}: row {n}: {e}.') from None
     seen[uid] = n
     text = str(answer.numerator) if answer.denominator == 1 else str(answer)
-    out.append(_example(f'arith_words:file:{uid}', problem, text, {'row': n, 'id': uid}, opts))
+    out.append(_example(f'arith_words:file:{uid}', problem, text, {'file': path, 'row': n, 'id': uid}, opts))
+  if reports is not None:
+    reports.append(datasets.FileReport(field, path, len(rows), [n for n, _ in rows], []))
   return out
 
 
@@ -287,8 +294,9 @@ class ArithWordsTask(arith.GeneratedTask):
     super().__init__(max_turns=max_turns, eval_size=eval_size)
     self.opts = opts
     self._file_eval: list[base.Example] | None = None
+    self.file_reports = []
     if opts.eval_file:
-      rows = load_eval_file(opts.eval_file, opts)
+      rows = load_eval_file(opts.eval_file, opts, reports=self.file_reports)
       self._file_eval = rows[:eval_size] if eval_size else rows
       self._held_texts = frozenset(_norm(ex.data['problem']) for ex in self._file_eval)
 
@@ -301,6 +309,13 @@ class ArithWordsTask(arith.GeneratedTask):
 
   def eval_set(self) -> list[base.Example]:
     return super().eval_set() if self._file_eval is None else list(self._file_eval)
+
+  def file_problems(self) -> list[base.Example]:
+    return list(self._file_eval or [])
+
+  def filter_problems(self, keep: Callable[[base.Example], bool]) -> None:
+    if self._file_eval is not None:
+      self._file_eval = [ex for ex in self._file_eval if keep(ex)]
 
   def train_iterator(self, seed: int) -> base.GeneratedIterator:
     if self._file_eval is None:

@@ -274,8 +274,11 @@ class Task(abc.ABC):
     name: registry name.
     max_turns: turn limit of an episode (`config.task.max_turns`).
     eval_size: size of the held-out eval set (`config.task.eval_size`).
+    file_reports: a `datasets.FileReport` per data file the task read (rows kept and skipped); none for a
+      generated task.
   """
   name: str = ''
+  file_reports: Sequence[Any] = ()
 
   def __init__(self, *, max_turns: int, eval_size: int):
     self.max_turns = int(max_turns)
@@ -313,6 +316,16 @@ class Task(abc.ABC):
     """
     return [self.solution(example)]
 
+  def file_problems(self) -> list[Example]:
+    """The problems read from data files that the run uses (train and eval), each with `data['file']` and
+    `data['row']`; what the start-of-run data check (`envs.data_check`) measures. Empty by default (a generated
+    task)."""
+    return []
+
+  def filter_problems(self, keep: Callable[[Example], bool]) -> None:
+    """Keeps only the file problems `keep` accepts, in train and eval alike (the data check drops the prompts
+    that do not fit the episode budget). Call it before `train_iterator`. Nothing to filter by default."""
+
   def set_step(self, step: int) -> None:
     """Told the learner's step after every update and on resume (drift's `unit='steps'` schedule reads it);
     nothing by default."""
@@ -336,6 +349,13 @@ class DatasetTask(Task):
 
   def train_examples(self) -> list[Example]:
     return list(self._train)
+
+  def file_problems(self) -> list[Example]:
+    return self._train + self._eval
+
+  def filter_problems(self, keep: Callable[[Example], bool]) -> None:
+    self._train = [ex for ex in self._train if keep(ex)]
+    self._eval = [ex for ex in self._eval if keep(ex)]
 
   def train_iterator(self, seed: int) -> ShuffledIterator:
     return ShuffledIterator(self._train, seed)

@@ -531,6 +531,7 @@ class CodeTask(base.DatasetTask):
   def __init__(self, opts: CodeOptions, *, max_turns: int, eval_size: int):
     super().__init__(max_turns=max_turns, eval_size=eval_size)
     self.opts = opts
+    self.file_reports = []
     examples = self._load(opts.data_file, 'task.kwargs.data_file')
     evals = self._load(opts.eval_file, 'task.kwargs.eval_file') if opts.eval_file else None
     self._train, self._eval = datasets.split(examples, eval_size, eval_examples=evals)
@@ -570,9 +571,10 @@ class CodeTask(base.DatasetTask):
       uid = str(row.get(o.id_field) or f'row{n}')
       text = f'{prompt}\nWrite the Python function `{entry}` in a ```python code block.'
       return base.Example(uid=f'code:{uid}', prompt=text, answer='',
-                          data={'entry_point': entry, 'tests': tests, 'asserts': asserts, 'row': n})
+                          data={'entry_point': entry, 'tests': tests, 'asserts': asserts})
 
-    return datasets.build_examples(datasets.read_rows(path, field), convert, path=path, field=field)
+    return datasets.build_examples(datasets.read_rows(path, field), convert, path=path, field=field,
+                                   reports=self.file_reports)
 
   def make_env(self, example: base.Example) -> CodeEnv:
     return CodeEnv(example, self.opts, self.sandbox, max_turns=self.max_turns)

@@ -1,17 +1,19 @@
 """Problem files (JSONL, JSON, CSV, Parquet) -> `Example`s, with malformed rows skipped and counted.
 
 Rows are dicts. A task turns each row into an `Example` with a `convert(row_number, row)` function that
-raises `BadRow(reason)` for a malformed row. Malformed rows are skipped and reported in one warning with their
-row numbers and reasons: a JSONL/CSV line that is not valid UTF-8 or not valid JSON, nesting too deep for the
-parser (`RecursionError`), a missing or empty field, a second row with the id or the (normalised) prompt of an
-earlier one. A file that cannot be read at all (a corrupt Parquet, a JSON file with invalid UTF-8), a file
-with no valid row, a missing file or an unknown extension fail with a `ConfigError` naming the config field
-and the file.
+raises `BadRow(reason)` for a malformed row; each example built records its source in `data['file']` and
+`data['row']`. Malformed rows are skipped, reported in one warning with their row numbers and reasons, and
+counted in the file's `FileReport` (which the start-of-run data check, `envs.data_check`, reports): a JSONL/CSV
+line that is not valid UTF-8 or not valid JSON, nesting too deep for the parser (`RecursionError`), a missing or
+empty field, a second row with the id or the (normalised) prompt of an earlier one. A file that cannot be read
+at all (a corrupt Parquet, a JSON file with invalid UTF-8), a file with no valid row, a missing file or an
+unknown extension fail with a `ConfigError` naming the config field and the file.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -25,11 +27,29 @@ from sao_jax.errors import ConfigError
 from sao_jax.envs import base
 
 SPLIT_SEED = 0x5EED  # The eval/train split is fixed by this seed, not by the training seed.
-_MAX_REPORTED_ROWS = 20
+MAX_REPORTED_ROWS = 20  # Rows named in one warning line; the rest are counted.
 
 
 class BadRow(ValueError):
   """A malformed row; the message says why."""
+
+
+@dataclasses.dataclass
+class FileReport:
+  """What loading one data file kept and skipped.
+
+  Attributes:
+    field: the config field naming the file, e.g. 'task.kwargs.data_file'.
+    path: the file.
+    rows: the rows read (row numbers as `read_rows` numbers them).
+    kept: the row numbers of the examples built, in order.
+    skipped: (row number, reason) of every row skipped at load (malformed or duplicate), in order.
+  """
+  field: str
+  path: str
+  rows: int
+  kept: list[int]
+  skipped: list[tuple[int, str]]
 
 
 def _jsonl_row(n: int, raw: bytes) -> Any:
@@ -116,11 +136,13 @@ def _parquet_rows(path: str) -> list[tuple[int, Any]]:
 
 
 def build_examples(rows: Sequence[tuple[int, Any]], convert: Callable[[int, dict[str, Any]], base.Example], *,
-                   path: str, field: str) -> list[base.Example]:
+                   path: str, field: str, reports: list[FileReport] | None = None) -> list[base.Example]:
   """Converts rows, skipping malformed and duplicate ones with one warning; raises if no row is valid.
 
   A row whose uid or normalised prompt repeats an earlier valid row's is skipped as a duplicate (uids key the
-  eval results; a repeated prompt would be counted twice, or with two answers, contradict itself).
+  eval results; a repeated prompt would be counted twice, or with two answers, contradict itself). Each example
+  gets `data['file'] = path` and `data['row']` (its uid and prompt are `convert`'s). The file's `FileReport` is
+  appended to `reports` when given.
   """
   out, bad = [], []
   first_uid: dict[str, int] = {}
@@ -141,16 +163,19 @@ def build_examples(rows: Sequence[tuple[int, Any]], convert: Callable[[int, dict
       if prompt in first_prompt:
         raise BadRow(f'duplicate prompt (first at row {first_prompt[prompt]})')
       first_uid[ex.uid], first_prompt[prompt] = n, n
-      out.append(ex)
+      out.append(dataclasses.replace(ex, data={**ex.data, 'file': path, 'row': n}))
     except BadRow as e:
       bad.append((n, str(e)))
   if bad:
-    shown = '; '.join(f'row {n}: {why}' for n, why in bad[:_MAX_REPORTED_ROWS])
-    more = f' (and {len(bad) - _MAX_REPORTED_ROWS} more)' if len(bad) > _MAX_REPORTED_ROWS else ''
-    logging.warning('%s: skipped %d malformed row(s) of %d: %s%s', path, len(bad), len(rows), shown, more)
+    shown = '; '.join(f'row {n}: {why}' for n, why in bad[:MAX_REPORTED_ROWS])
+    more = f' (and {len(bad) - MAX_REPORTED_ROWS} more)' if len(bad) > MAX_REPORTED_ROWS else ''
+    logging.warning('config.%s=%r: skipped %d malformed row(s) of %d: %s%s', field, path, len(bad), len(rows), shown,
+                    more)
   if not out:
     raise ConfigError(f'config.{field}={path!r}: no valid row among {len(rows)}'
-                      + (f' (first problems: {bad[0][1]})' if bad else '') + '.')
+                      + (f' (first problem: row {bad[0][0]}: {bad[0][1]})' if bad else '') + '.')
+  if reports is not None:
+    reports.append(FileReport(field, path, len(rows), [ex.data['row'] for ex in out], bad))
   return out
 
 

@@ -72,8 +72,10 @@ class MathOptions:
     return LAYOUTS[self.layout]
 
 
-def load_problems(path: str, opts: MathOptions, field: str = 'task.kwargs.data_file') -> list[base.Example]:
-  """The valid problems of a file (malformed rows skipped with a warning)."""
+def load_problems(path: str, opts: MathOptions, field: str = 'task.kwargs.data_file',
+                  reports: list[datasets.FileReport] | None = None) -> list[base.Example]:
+  """The valid problems of a file (malformed rows skipped with a warning; the file's report appended to
+  `reports`)."""
   problem_f, answer_f, id_f = opts.fields()
 
   def convert(n: int, row: dict[str, Any]) -> base.Example:
@@ -85,10 +87,9 @@ def load_problems(path: str, opts: MathOptions, field: str = 'task.kwargs.data_f
     uid = row.get(id_f) if id_f else None
     uid = str(uid) if uid not in (None, '') else f'row{n}'
     prompt = f'{problem}\n{opts.instruction}' if opts.instruction else problem
-    return base.Example(uid=f'math:{uid}', prompt=prompt, answer=answer, data={'row': n},
-                        system=opts.system_prompt or None)
+    return base.Example(uid=f'math:{uid}', prompt=prompt, answer=answer, system=opts.system_prompt or None)
 
-  return datasets.build_examples(datasets.read_rows(path, field), convert, path=path, field=field)
+  return datasets.build_examples(datasets.read_rows(path, field), convert, path=path, field=field, reports=reports)
 
 
 class MathEnv(base.BaseEnv):
@@ -109,8 +110,10 @@ class MathTask(base.DatasetTask):
   def __init__(self, opts: MathOptions, *, max_turns: int, eval_size: int):
     super().__init__(max_turns=max_turns, eval_size=eval_size)
     self.opts = opts
-    problems = load_problems(opts.data_file, opts)
-    evals = load_problems(opts.eval_file, opts, 'task.kwargs.eval_file') if opts.eval_file else None
+    self.file_reports = []
+    problems = load_problems(opts.data_file, opts, reports=self.file_reports)
+    evals = (load_problems(opts.eval_file, opts, 'task.kwargs.eval_file', self.file_reports) if opts.eval_file
+             else None)
     self._train, self._eval = datasets.split(problems, eval_size, eval_examples=evals)
     self._checker: verifier_lib.MathVerifier | None = None
 
