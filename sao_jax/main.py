@@ -2,7 +2,10 @@
 
 Only parses flags, checks the config (`config_lib.validate`: the algorithm's preset filled in, every field, the
 task, the learner, the optimizer, checkpoints and the mesh on the devices present) and hands it to the trainer.
-`--dry_run` prints the resolved, validated config and the learner's and actors' meshes, and exits.
+`--dry_run` also builds the task and the tokenizer (no model), reads every data row the run will use
+(`envs.data_check`), prints the resolved config, the learner's and actors' meshes and what the run would skip
+(by file and row, with the reason), and exits; a file that cannot be read or has no usable row fails it in one
+`FATAL bad config:` line, as every bad setting does.
 """
 
 import sys
@@ -15,13 +18,16 @@ from ml_collections import config_flags
 from sao_jax import config_lib
 from sao_jax import metrics
 from sao_jax import parallel
+from sao_jax import tokenizers
 from sao_jax import trainer
+from sao_jax.envs import data_check
+from sao_jax.envs import registry
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Config file, e.g. configs/arith.py (optionally `:arg`).', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory (checkpoints, metrics). Overrides config.workdir.')
-_DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Check the config (building the mesh on the devices present, opening '
-                             'the data files), print it resolved and exit.')
+_DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Check the config (building the mesh on the devices present, reading '
+                             'every data row), print it resolved and what the run would skip, and exit.')
 
 flags.mark_flags_as_required(['config'])
 
@@ -38,14 +44,25 @@ def main(argv):
     if not _DRY_RUN.value:
       parallel.initialize(config.distributed)  # Before anything touches a device (validate builds the mesh).
     config = config_lib.validate(config, for_run=True)
+    report = check_data(config) if _DRY_RUN.value else None
   except config_lib.ConfigError as e:
     sys.exit(f'FATAL bad config: {e}')
   if _DRY_RUN.value:
     print(config)
     print(mesh_summary(config))
+    print(report)
     return
   logging.info('Config:\n%s', config)
   trainer.run(config, validated=True)
+
+
+def check_data(config) -> data_check.DataReport:
+  """The data check of a validated config (`data_check.check_task_data` on its task and tokenizer; no model)."""
+  task = registry.get_task(config.task)
+  try:
+    return data_check.check_task_data(config, task, tokenizers.get_tokenizer(config))
+  finally:
+    task.close()
 
 
 def mesh_summary(config) -> str:

@@ -40,7 +40,7 @@ ALLOWED = {
     'eval': _BELOW_LOOP | {'config_lib'},
     'sft': _BELOW_LOOP | {'eval'},
     'trainer': _BELOW_LOOP | {'config_lib', 'eval', 'sft'},
-    'main': {'errors', 'config_lib', 'trainer', 'parallel', 'metrics'},
+    'main': {'errors', 'config_lib', 'trainer', 'parallel', 'metrics', 'envs', 'tokenizers'},
     'benchmarks': _BELOW_LOOP | {'config_lib', 'eval', 'trainer', 'sim'},
     'tools': _BELOW_LOOP | {'config_lib'},
     'experiments': _BELOW_LOOP | {'config_lib', 'eval', 'trainer', 'sim'},

@@ -2,6 +2,7 @@
 field (the checks themselves: tests/config_lib_test.py)."""
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -96,11 +97,41 @@ class MainTest(parameterized.TestCase):
     self.assertIn('config.task.kwargs.data_file=', out.stderr)
     self.assertIn('no such file', out.stderr)
     data = os.path.join(tempfile.mkdtemp(), 'p.jsonl')
-    with open(data, 'w') as f:
-      f.write('{"id": "1", "problem": "1+1?", "answer": "2"}\n')
+    with open(data, 'w') as f:  # A code problem (--dry_run reads the rows: a math row would be refused).
+      f.write('{"task_id": "t1", "prompt": "Add one.", "entry_point": "inc", "tests": [{"input": [1], "output": 2}]}\n')
     out = _main('--config=configs/code.py', f'--config.task.kwargs.eval_file={data}', self.workdir, '--dry_run')
     self.assertEqual(out.returncode, 0, out.stderr)
     self.assertIn(f'eval_file: {data}', out.stdout)
+
+  def test_dry_run_reports_every_row_the_run_would_skip(self):
+    # --dry_run did not open the data files: these rows passed it, and the run skipped them (or, the too-long
+    # prompt, failed on it in every actor) without naming them there.
+    data = os.path.join(tempfile.mkdtemp(), 'p.csv')
+    rows = [b'id,problem,answer', b'p1,What is 1 + 1?,2', b'p2,What is 2 + 2?,', b'p3,What is caf\xe9 + 3?,4',
+            b'p1,What is 4 + 4?,8', b'p5,What is 5 + 5?', b'p6,' + b'x' * 100_000 + b',6', b'p7,What is 7 + 7?,14',
+            b'p8,What is 8 + 8?,16']
+    with open(data, 'wb') as f:
+      f.write(b'\n'.join(rows) + b'\n')
+    out = _main('--config=configs/math.py', f'--config.task.kwargs.data_file={data}', '--config.task.eval_size=1',
+                self.workdir, '--dry_run')
+    self.assertEqual(out.returncode, 0, out.stderr)
+    for row, why in ((2, "field 'answer' must be a non-empty string"), (3, "invalid UTF-8 in column 'problem'"),
+                     (4, "duplicate id 'math:p1' (first at row 1)"), (5, "missing field 'answer'"),
+                     (6, 'does not fit config.sampler.max_seq_len=768')):
+      self.assertRegex(out.stdout, f'(?m)^ +{re.escape(data)} row {row}: .*{re.escape(why)}')
+    self.assertIn(f'config.task.kwargs.data_file={data}: 8 rows, 3 used, 5 skipped', out.stdout)
+    out = _main('--config=configs/math.py', self.workdir, '--dry_run')  # The shipped sample: nothing skipped.
+    self.assertEqual(out.returncode, 0, out.stderr)
+    self.assertIn('no rows skipped', out.stdout)
+
+  def test_dry_run_refuses_a_data_file_with_no_valid_row(self):
+    data = os.path.join(tempfile.mkdtemp(), 'p.jsonl')
+    with open(data, 'w') as f:
+      f.write('{"id": "1", "problem": "1+1?"}\nnot json\n')
+    out = _main('--config=configs/math.py', f'--config.task.kwargs.data_file={data}', self.workdir, '--dry_run')
+    self.assertNotEqual(out.returncode, 0)
+    last = out.stderr.strip().splitlines()[-1]
+    self.assertStartsWith(last, f"FATAL bad config: config.task.kwargs.data_file={data!r}: no valid row among 2")
 
 
 if __name__ == '__main__':
