@@ -133,6 +133,25 @@ def write_text(path: PathLike, text: str) -> None:
       f.write(text)
 
 
+def move(src: PathLike, dst: PathLike) -> None:
+  """Renames a file or a directory (its parents created). Locally one `os.rename` (atomic on one filesystem); on
+  an object store every object under `src` copied, then deleted (not atomic: a reader may see both for a while)."""
+  src, dst = os.fspath(src), os.fspath(dst)
+  if is_local(src):
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    os.rename(src, dst)
+    return
+  root = to_epath(src)
+  if not root.is_dir():
+    copy_file(src, dst)
+    remove(src)
+    return
+  for f in root.glob('**/*'):
+    if not f.is_dir():
+      copy_file(os.fspath(f), join(dst, *f.relative_to(root).parts))
+  rmtree(src)
+
+
 def copy_file(src: PathLike, dst: PathLike) -> None:
   """Copies one file between any two places (a local file to a bucket, an object to a local file, ...)."""
   with open_file(src, 'rb') as fin, open_file(dst, 'wb') as fout:

@@ -7,6 +7,7 @@
 """
 
 from sao_jax.checkpoint.contents import RESUMABLE_CHANGES
+from sao_jax.checkpoint.contents import check_resume_config
 from sao_jax.checkpoint.contents import config_differences
 from sao_jax.checkpoint.contents import flat_config
 from sao_jax.checkpoint.contents import restore_checkpoint
@@ -18,6 +19,7 @@ from sao_jax.checkpoint.manager import CheckpointConfig
 from sao_jax.checkpoint.manager import CheckpointCorrupt
 from sao_jax.checkpoint.manager import Checkpointer
 from sao_jax.checkpoint.manager import CheckpointState
+from sao_jax.checkpoint.manager import DAMAGED_DIR
 from sao_jax.checkpoint.manager import abstract_target
 from sao_jax.checkpoint.manager import check_config
 from sao_jax.checkpoint.manager import fingerprints

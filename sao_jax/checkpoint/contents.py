@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 from flax import nnx
 
+from sao_jax import paths
 from sao_jax.checkpoint import manager
 from sao_jax.errors import ConfigError
 from sao_jax.learner import Learner
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
 RESUMABLE_CHANGES = ('workdir', 'trainer.num_steps', 'trainer.allow_config_change', 'trainer.log_every',
                      'trainer.eval_every', 'trainer.checkpoint_every', 'trainer.export_hf',
                      'distributed.coordinator_address', 'distributed.process_id',  # Per process / per launch.
-                     'model.remat', 'model.critic_remat')
+                     'model.remat', 'model.critic_remat',
+                     'trainer.save_retries', 'trainer.save_retry_s', 'sft.checkpoint_every', 'sft.log_every')
 # Knobs removed from `configs/base.py` that a checkpoint may still hold. Each changed how fast the actors ran,
 # never which tokens they generated (tests compared the tokens both ways), so a saved value is no difference.
 REMOVED_KNOBS = ('sampler.fuse_admissions', 'sampler.row_groups', 'sampler.admission_rows',
@@ -124,17 +126,10 @@ def restore_checkpoint(ckpt: manager.Checkpointer, learner: Learner, config: Any
       step=0, policy=manager.abstract_target(nnx.state(learner.policy_model())),
       critic=None if critic is None else manager.abstract_target(nnx.state(critic)),
       optimizer=manager.abstract_target(_optimizer_item(state)))
-  got = ckpt.restore(None, target=target)  # The newest intact step (a damaged newer one is reported, skipped).
+  # The newest intact step; a damaged newer one is reported and moved aside (the steps after it are retrained).
+  got = ckpt.restore(None, target=target, set_aside_damaged=True)
   step = int(got.step)
-  saved = (got.metadata or {}).get('config', {})
-  diff = config_differences(saved, config, defaults)
-  if diff and not config.trainer.allow_config_change:
-    now = flat_config(config)
-    detail = '; '.join(f'{k}: {saved.get(k)!r} -> {now.get(k)!r}' for k in diff[:10])
-    raise ConfigError(f'config.workdir={config.workdir!r} holds a checkpoint (step {step}) of a run with another '
-                      f'config ({detail}). Use a fresh --workdir, or set --config.trainer.allow_config_change=True.')
-  if diff:
-    logging.warning('Resuming step %d with a changed config (allowed): %s', step, diff)
+  _check_saved_config((got.metadata or {}).get('config', {}), step, config, defaults, log=True)
   policy = _restore_train_state(learner.policy_spec, state.policy, got.policy, got.optimizer['policy'])
   critic_ts = None
   if state.critic is not None:
@@ -147,6 +142,37 @@ def restore_checkpoint(ckpt: manager.Checkpointer, learner: Learner, config: Any
   prompts.restore(by_process[jax.process_index()])
   logging.info('Resumed from step %d (%d prompts taken so far).', step, prompts.taken)
   return step
+
+
+def _check_saved_config(saved: dict[str, Any], step: int, config: Any, defaults: Any, *, log: bool) -> None:
+  """Refuses (`ConfigError`, the differing fields named) a config that differs from the checkpoint's run's, unless
+  `config.trainer.allow_config_change` (then, with `log`, a warning names them)."""
+  diff = config_differences(saved, config, defaults)
+  if diff and not config.trainer.allow_config_change:
+    now = flat_config(config)
+    detail = '; '.join(f'{k}: {saved.get(k)!r} -> {now.get(k)!r}' for k in diff[:10])
+    raise ConfigError(f'config.workdir={config.workdir!r} holds a checkpoint (step {step}) of a run with another '
+                      f'config ({detail}). Use a fresh --workdir, or set --config.trainer.allow_config_change=True.')
+  if diff and log:
+    logging.warning('Resuming step %d with a changed config (allowed): %s', step, diff)
+
+
+def check_resume_config(checkpoint_dir: str, config: Any, *, defaults: Any) -> int | None:
+  """The resume's config check before anything is built: the newest step whose saved config reads (its
+  `metadata` JSON, read as a file: no orbax, no device) is compared with `config` (`ConfigError` as
+  `restore_checkpoint` raises). Returns that step, or None when the directory holds no readable one (a fresh run;
+  a damaged step is left for `restore_checkpoint` to report)."""
+  if not paths.isdir(checkpoint_dir):
+    return None
+  for step in sorted((int(n) for n in paths.listdir(checkpoint_dir) if n.isdigit()), reverse=True):
+    try:
+      meta = json.loads(paths.read_text(paths.join(checkpoint_dir, str(step), 'metadata', 'metadata')))
+      saved = meta['config']
+    except (OSError, ValueError, KeyError, TypeError):
+      continue
+    _check_saved_config(saved, step, config, defaults, log=False)
+    return step
+  return None
 
 
 def _all_process_states(state: dict[str, Any]) -> list[dict[str, Any]]:

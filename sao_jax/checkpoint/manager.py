@@ -30,7 +30,10 @@ which shard (every process computes the same replicated value; a changed element
 JSON items carry a SHA-256 of their canonical text. `restore` checks that every item of the manifest is on
 disk and that what it read matches the manifest; the newest step that fails (unreadable, missing item or
 manifest, a fingerprint that differs) is reported with a loud error naming the step, the item, the array and
-what was wrong, and `restore()` falls back to the newest intact step (an explicit `step` raises instead).
+what was wrong, and `restore()` falls back to the newest intact step (an explicit `step` raises instead). A run
+resuming (`restore(set_aside_damaged=True)`) also moves each damaged newer step aside, renamed, never deleted, into
+`<dir>/damaged/<step>-<UTC time>/` with a `DAMAGED.txt` saying what failed: its step number is free again, so the
+run retrains that step and saves it, and the same command always recovers.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,6 +63,7 @@ JSON_ITEMS = ('data', 'metadata')
 MANIFEST = 'manifest'  # Internal JSON item: the items saved and their fingerprints (module docstring).
 _TMP_DIR = re.compile(r'.*\.orbax-checkpoint-tmp.*')
 _COMMIT_FILE = ocp.path.atomicity.COMMIT_SUCCESS_FILE  # What orbax writes last into a step on an object store.
+DAMAGED_DIR = 'damaged'  # Where damaged steps are moved aside (`Checkpointer.restore(set_aside_damaged=True)`).
 
 
 class CheckpointCorrupt(RuntimeError):
@@ -388,7 +393,7 @@ class Checkpointer:
     return int(step)
 
   def restore(self, step: int | None = None, *, target: CheckpointState | None = None,
-              items: tuple[str, ...] | None = None) -> CheckpointState:
+              items: tuple[str, ...] | None = None, set_aside_damaged: bool = False) -> CheckpointState:
     """Restores and verifies the checkpoint at `step` (default: the newest intact one).
 
     Args:
@@ -400,6 +405,9 @@ class Checkpointer:
         None is restored with its saved structure onto the first local device (plain dicts/lists; an
         nnx.State or optax state needs a target to come back typed).
       items: names of the items to restore (default: every item saved). The others come back as None.
+      set_aside_damaged: with `step=None`, move every damaged step newer than the one restored into
+        `<dir>/damaged/` (module docstring): a resuming run does, so the steps it retrains can be saved again.
+        Nothing is moved when no step is intact (the error then lists them all).
 
     Returns:
       The `CheckpointState` (`step` = the restored step).
@@ -412,9 +420,10 @@ class Checkpointer:
     unknown = set(items or ()) - set(ARRAY_ITEMS + JSON_ITEMS)
     if unknown:
       raise ValueError(f'Unknown checkpoint items {sorted(unknown)}; known: {ARRAY_ITEMS + JSON_ITEMS}.')
-    return self._first_intact(step, lambda s: self._restore_verified(s, target, items))
+    return self._first_intact(step, lambda s: self._restore_verified(s, target, items),
+                              set_aside_damaged=set_aside_damaged)
 
-  def _first_intact(self, step: int | None, fn):
+  def _first_intact(self, step: int | None, fn, *, set_aside_damaged: bool = False):
     """`fn(s)` for `step`, or for the newest step where it does not raise `CheckpointCorrupt` (logged loudly)."""
     steps = [self.resolve_step(step)] if step is not None else sorted(self.all_steps(), reverse=True)
     if not steps:
@@ -431,8 +440,25 @@ class Checkpointer:
       if problems:
         logging.error('Restored checkpoint step %d instead of the newer damaged one(s): %s', s,
                       '; '.join(problems))
+        if set_aside_damaged:
+          self._set_aside(dict(zip(steps[:k], problems)))
       return result
     raise CheckpointCorrupt(f'No intact checkpoint in {self.directory}: ' + '; '.join(problems))
+
+  def _set_aside(self, damaged: dict[int, str]) -> None:
+    """Moves the `damaged` steps (step -> what failed) into `<dir>/damaged/<step>-<UTC time>/` (process 0; every
+    process then re-reads the directory's steps)."""
+    if jax.process_index() == 0:
+      stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
+      for step, why in sorted(damaged.items()):
+        src = paths.join(self.directory, str(step))
+        dst = paths.join(self.directory, DAMAGED_DIR, f'{step}-{stamp}')
+        paths.move(src, dst)
+        paths.write_text(paths.join(dst, 'DAMAGED.txt'), f'{why}\n')
+        logging.error('Checkpoint step %d moved aside to %s (kept, not deleted): %s', step, dst, why)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices('sao_jax_checkpoint_set_aside')
+    self._manager.reload()
 
   def _restore_verified(self, step: int, target: CheckpointState | None,
                         items: tuple[str, ...] | None) -> CheckpointState:
@@ -503,8 +529,18 @@ class Checkpointer:
   # ---- Lifetime.
 
   def wait(self) -> None:
-    """Blocks until a pending async save is committed."""
+    """Blocks until a pending async save is committed; raises its error if it failed."""
     self._manager.wait_until_finished()
+
+  def check(self) -> None:
+    """Raises the error of an async save that has failed, without waiting for one still in progress (a failed
+    save's step is then forgotten: `all_steps` no longer lists it)."""
+    if not self._manager.is_saving_in_progress():
+      self._manager.wait_until_finished()
+
+  def remove_interrupted_saves(self) -> None:
+    """Deletes what failed or interrupted saves left (process 0): their space, before a save is tried again."""
+    self._remove_interrupted_saves()
 
   def close(self) -> None:
     """Waits for a pending save and releases the manager (idempotent)."""
