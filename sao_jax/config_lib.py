@@ -35,6 +35,7 @@ from absl import logging
 from configs import base as base_config
 from sao_jax import checkpoint
 from sao_jax import parallel
+from sao_jax import workdir as workdir_lib
 from sao_jax.envs import registry
 from sao_jax.errors import ConfigError
 from sao_jax.generate.config import WEIGHT_SWITCHES
@@ -213,6 +214,7 @@ FIELDS: dict[str, Check] = {
     'sft.num_examples': _bounds(ge=0, why='0 = a fresh problem for every row.'),
     'sft.data_seed': _bounds(ge=0),
     'sft.log_every': _bounds(ge=0, why='0 = the first and last steps only.'),
+    'sft.checkpoint_every': _bounds(ge=0, why='0 = only on a signal and at the end.'),
     # ---- mesh (sizes: parallel.mesh_shape / make_mesh; rules: parallel.rules_dict; layout: check_layout)
     'mesh.actor_devices': _bounds(ge=0, why='0 = the actors share the learner\'s devices.'),  # parallel.split_devices
     # ---- distributed (distributed.check_config)
@@ -228,6 +230,8 @@ FIELDS: dict[str, Check] = {
     'trainer.log_every': _bounds(ge=1),
     'trainer.eval_every': _bounds(ge=0, why='0 = off.'),
     'trainer.checkpoint_every': _bounds(ge=0, why='0 = off.'),
+    'trainer.save_retries': _bounds(ge=0, why='0 = a failed save stops the run at once.'),
+    'trainer.save_retry_s': _bounds(ge=0.0),
     'trainer.weight_switch': _choice(WEIGHT_SWITCHES),
 }
 
@@ -390,6 +394,8 @@ def validate(config: ml_collections.ConfigDict, *, for_run: bool = False,
   algo_lib.check_config(resolved)
   optim_lib.check_config(resolved)
   checkpoint.check_config(resolved, need_workdir=for_run and resolved.trainer.checkpoint_every > 0)
+  if for_run and resolved.workdir:
+    workdir_lib.check_writable(resolved.workdir)  # One line, before any model is built.
   distributed.check_config(resolved)
   model_cfg = _check_model(resolved)
   registry.validate_task_config(resolved)

@@ -18,7 +18,8 @@ PACKAGE = 'sao_jax'
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PACKAGE)
 
 _BASE = {'errors', 'structs', 'losses', 'tokenizers', 'paths'}
-_BELOW_LOOP = _BASE | {'envs', 'models', 'parallel', 'generate', 'rollout', 'learner', 'checkpoint', 'metrics'}
+_BELOW_LOOP = _BASE | {'envs', 'models', 'parallel', 'generate', 'rollout', 'learner', 'checkpoint', 'metrics',
+                       'workdir'}
 
 # room -> rooms of the package it may import (besides itself).
 ALLOWED = {
@@ -33,6 +34,7 @@ ALLOWED = {
     'models': {'errors', 'structs', 'losses', 'parallel', 'tokenizers'},
     'generate': {'errors', 'structs', 'parallel', 'models'},
     'metrics': {'errors', 'parallel', 'paths'},
+    'workdir': {'errors', 'parallel', 'paths'},  # The workdir's lock and writability check.
     'checkpoint': {'errors', 'structs', 'models', 'parallel', 'learner', 'paths'},  # contents: a learner's checkpoint.
     'rollout': _BASE | {'envs', 'models', 'parallel', 'generate'},
     'learner': _BASE | {'models', 'parallel'},
@@ -40,7 +42,7 @@ ALLOWED = {
     'eval': _BELOW_LOOP | {'config_lib'},
     'sft': _BELOW_LOOP | {'eval'},
     'trainer': _BELOW_LOOP | {'config_lib', 'eval', 'sft'},
-    'main': {'errors', 'config_lib', 'trainer', 'parallel', 'metrics', 'envs', 'tokenizers'},
+    'main': {'errors', 'config_lib', 'trainer', 'parallel', 'metrics', 'envs', 'tokenizers', 'checkpoint'},
     'benchmarks': _BELOW_LOOP | {'config_lib', 'eval', 'trainer', 'sim'},
     'tools': _BELOW_LOOP | {'config_lib'},
     'experiments': _BELOW_LOOP | {'config_lib', 'eval', 'trainer', 'sim'},
