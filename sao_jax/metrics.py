@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from sao_jax import paths
+from sao_jax.errors import RunError
 
 METRICS_FILE = 'metrics.jsonl'
 
@@ -109,13 +110,31 @@ def truncate_metrics(workdir: str, last_step: int) -> int:
   return dropped
 
 
+def _drop_torn_tail(path: str) -> None:
+  """Cuts a last line without its newline (a row torn by a kill or a full disk) off a local file."""
+  if not os.path.exists(path):
+    return
+  with open(path, 'rb+') as f:
+    size = f.seek(0, os.SEEK_END)
+    if not size:
+      return
+    f.seek(max(0, size - (1 << 20)))
+    tail = f.read()
+    if tail.endswith(b'\n'):
+      return
+    cut = tail.rfind(b'\n')
+    keep = size - len(tail) + cut + 1 if cut >= 0 else (0 if size <= (1 << 20) else size)
+    logging.warning('%s: dropped a torn last line (%d bytes).', path, size - keep)
+    f.truncate(keep)
+
+
 class MetricsWriter:
   """Writes one row per step to `metrics.jsonl`, TensorBoard (`WORKDIR/tensorboard`) and optionally wandb.
 
   Args:
     workdir: the run's directory (a local path or a URI, module docstring).
-    resume_step: the step restored from a checkpoint: rows past it are dropped first (None = a fresh run,
-      whose existing rows, if any, are kept).
+    resume_step: the step restored from a checkpoint: rows past it are dropped first (-1: every row, a run
+      starting over; None: existing rows are kept). A torn last line is always dropped.
     tensorboard: also write TensorBoard event files.
     wandb_project: log to this wandb project too ('' = off; needs the `wandb` package).
     config: the run's config, recorded by wandb.
@@ -139,7 +158,9 @@ class MetricsWriter:
         logging.info('metrics.jsonl: dropped %d row(s) past the restored step %d.', dropped, resume_step)
     # The workdir itself when it is local; else a local copy of metrics.jsonl, appended to and uploaded whole.
     self._stage = paths.StagedDir(workdir, fetch=(METRICS_FILE,), sync_every_s=sync_every_s)
-    self._file = open(os.path.join(self._stage.local, METRICS_FILE), 'a', encoding='utf-8')
+    local = os.path.join(self._stage.local, METRICS_FILE)
+    _drop_torn_tail(local)
+    self._file = open(local, 'ab', buffering=0)  # Unbuffered: a row is in the file or, if its write failed, not.
     if tensorboard:
       # Imported here: tensorboardX imports torch when it is installed (about 2 s of every process's start).
       # Its own gs:// writer would bypass `paths` (google-cloud-storage, the whole file re-sent at each flush):
@@ -154,13 +175,28 @@ class MetricsWriter:
       self._wandb = wandb.init(project=wandb_project, dir=wandb_dir, config=dict(config or {}), resume='allow')
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-    """Appends the row `{"step": step, **metrics}` (flushed, so a kill loses at most this row)."""
+    """Appends the row `{"step": step, **metrics}` whole, in one unbuffered write (a kill loses at most this row).
+
+    Raises:
+      RunError: the row could not be written (e.g. no space left); the file is left without any part of it.
+    """
     if not self.enabled:
       return
     row = {'step': int(step)}
     row.update((k, _scalar(v)) for k, v in metrics.items())
-    self._file.write(json.dumps(row, sort_keys=False) + '\n')
-    self._file.flush()
+    data = (json.dumps(row, sort_keys=False) + '\n').encode()
+    end = self._file.seek(0, os.SEEK_END)
+    try:
+      view = memoryview(data)
+      while view:  # A raw write may write part of it (a disk filling up): the rest, or the OSError that follows.
+        view = view[self._file.write(view):]
+    except OSError as e:
+      try:
+        self._file.truncate(end)  # No half-written row is left behind.
+      except OSError:
+        pass  # (A torn last line is dropped when the file is next opened.)
+      raise RunError(f'{os.path.join(self.workdir, METRICS_FILE)}: could not write the row of step {step}: '
+                     f'{e.strerror or e}.') from e
     if self._tb is not None:
       for k, v in row.items():
         if k != 'step' and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -169,6 +205,28 @@ class MetricsWriter:
       self._wandb.log({k: v for k, v in row.items() if v is not None}, step=int(step))
     if self._stage.due():
       self.flush()
+
+  def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+    """Adds `metrics` to the row of `step` (already written: e.g. the eval of a step that a signal interrupted,
+    done by the resumed run). The file is replaced whole (`paths.write_text`), then appended to again."""
+    if not self.enabled:
+      return
+    local = os.path.join(self._stage.local, METRICS_FILE)
+    self._file.close()
+    with open(local, encoding='utf-8') as f:
+      lines = f.readlines()
+    for i, line in enumerate(lines):
+      row = json.loads(line)
+      if row.get('step') == int(step):
+        row.update((k, _scalar(v)) for k, v in metrics.items())
+        lines[i] = json.dumps(row, sort_keys=False) + '\n'
+    paths.write_text(local, ''.join(lines))
+    self._file = open(local, 'ab', buffering=0)
+    if self._tb is not None:
+      for k, v in metrics.items():
+        v = _scalar(v)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+          self._tb.add_scalar(k, v, global_step=step)
 
   def flush(self) -> None:
     """Flushes the file and the TensorBoard events; a remote workdir gets them uploaded."""

@@ -1,10 +1,12 @@
 """Tests of sao_jax.metrics: metrics.jsonl rows once per step across resumes, TensorBoard scalars, meters."""
 
+import errno
 import glob
 import json
 import math
 import os
 import struct
+import subprocess
 import tempfile
 
 from absl.testing import absltest
@@ -12,6 +14,7 @@ import numpy as np
 from tensorboardX.proto import event_pb2
 
 from sao_jax import metrics
+from sao_jax.errors import RunError
 
 
 def _tb_scalars(logdir):
@@ -72,6 +75,65 @@ class MetricsWriterTest(absltest.TestCase):
     with metrics.MetricsWriter(self.dir, tensorboard=False) as w:
       w.write(2, {'x': 2})
     self.assertEqual([r['step'] for r in metrics.read_metrics(self.dir)], [1, 2])
+
+  def test_a_row_the_disk_cannot_take_is_not_half_written(self):
+    with metrics.MetricsWriter(self.dir, tensorboard=False) as w:
+      w.write(1, {'x': 1})
+      real = w._file  # pylint: disable=protected-access
+
+      class FillingDisk:
+        """A raw file on a disk that fills up: the first write lands 10 bytes, the next fails (ENOSPC)."""
+        calls = 0
+
+        def write(self, data):
+          FillingDisk.calls += 1
+          if FillingDisk.calls == 1:
+            return real.write(bytes(data[:10]))
+          raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name):
+          return getattr(real, name)
+
+      w._file = FillingDisk()  # pylint: disable=protected-access
+      with self.assertRaisesRegex(RunError, r'metrics.jsonl: could not write the row of step 2: No space left'):
+        w.write(2, {'x': 2})
+      w._file = real  # pylint: disable=protected-access
+    with open(os.path.join(self.dir, metrics.METRICS_FILE)) as f:
+      self.assertEqual(f.read(), '{"step": 1, "x": 1}\n')  # (It used to keep the part written.)
+
+  def test_a_torn_last_line_is_dropped_when_the_file_is_opened(self):
+    with open(os.path.join(self.dir, metrics.METRICS_FILE), 'w') as f:
+      f.write('{"step": 1, "x": 1}\n{"step": 2, "x"')
+    with metrics.MetricsWriter(self.dir, tensorboard=False) as w:
+      w.write(2, {'x': 2})
+    with open(os.path.join(self.dir, metrics.METRICS_FILE)) as f:
+      self.assertEqual(f.read().splitlines(), ['{"step": 1, "x": 1}', '{"step": 2, "x": 2}'])
+
+  @absltest.skipIf(os.geteuid() != 0, 'mounting a tmpfs needs root')
+  def test_on_a_full_tmpfs_the_run_stops_with_whole_rows_only(self):
+    mount = tempfile.mkdtemp()
+    if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=64k', 'tmpfs', mount], check=False).returncode:
+      self.skipTest('this machine cannot mount a tmpfs')
+    try:
+      with metrics.MetricsWriter(mount, tensorboard=False) as w:
+        with self.assertRaisesRegex(RunError, 'No space left on device'):
+          for step in range(100000):
+            w.write(step, {'payload': 'x' * 1000})
+      with open(os.path.join(mount, metrics.METRICS_FILE), 'rb') as f:
+        data = f.read()
+      self.assertTrue(data.endswith(b'\n'))
+      self.assertEqual([json.loads(line)['step'] for line in data.splitlines()], list(range(step)))
+    finally:
+      subprocess.run(['umount', mount], check=False)
+
+  def test_a_row_is_updated_in_place(self):
+    with metrics.MetricsWriter(self.dir, tensorboard=False) as w:
+      w.write(1, {'x': 1})
+      w.write(2, {'x': 2})
+      w.update(2, {'eval': 0.5})
+      w.write(3, {'x': 3})
+    self.assertEqual(metrics.read_metrics(self.dir), [{'step': 1, 'x': 1}, {'step': 2, 'x': 2, 'eval': 0.5},
+                                                      {'step': 3, 'x': 3}])
 
   def test_tensorboard_scalars(self):
     with metrics.MetricsWriter(self.dir) as w:
