@@ -126,7 +126,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   t.kwargs = ml_collections.ConfigDict()  # Task-specific options (difficulty, data files, field names).
 
   # ---- Supervised warm start (sao_jax/sft.py): cross-entropy on task-generated solutions, before RL.
-  # Runs on a fresh run only (not on resume), after the learner is built and before the actors start.
+  # Runs on a fresh run only (not once an RL checkpoint exists), after the learner is built, before the actors start.
   c.sft = sf = ml_collections.ConfigDict()
   sf.steps = 0  # Optimizer steps of the warm start (0 = off).
   sf.batch_size = 64  # Problems (rows) per step.
@@ -137,6 +137,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   sf.num_examples = 0  # Distinct training problems, cycled (0 = a fresh problem for every row).
   sf.data_seed = 1  # The problems come from the task's training stream with seed config.seed + this.
   sf.log_every = 50  # Warm-start steps between loss logs (0 = first and last only).
+  sf.checkpoint_every = 100  # Warm-start steps between saves of its state in WORKDIR/warm_start (0 = only on a
+  # signal and at its end): a killed warm start resumes from there.
 
   # ---- Device mesh and sharding.
   c.mesh = ms = ml_collections.ConfigDict()
@@ -178,6 +180,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   tr.eval_every = 0  # Learner steps between evals (0 = off).
   tr.checkpoint_every = 50  # Learner steps between checkpoints (0 = off).
   tr.keep_checkpoints = 3  # Checkpoints kept on disk.
+  tr.save_retries = 2  # A failed checkpoint save (a full disk, a store error) is tried again this many times, then
+  # the run stops with a one-line error, exit code 1 (0 = stop at the first failure).
+  tr.save_retry_s = 10.0  # Seconds before the first retry; doubled before each next one.
   tr.weight_switch = 'turn'  # Actors take new weights between turns ('turn') or only between episodes ('episode').
   tr.allow_config_change = False  # Resume a workdir's checkpoint even when the config differs (named in the log).
   tr.export_hf = ''  # Write the final policy as an HF directory here ('' = off).

@@ -30,7 +30,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from absl import logging
@@ -63,6 +63,10 @@ class EvalConfig:
     return cls(GenerateConfig.from_config(config), rollout.EpisodeLimits.from_config(config), int(config.seed))
 
 
+class Interrupted(Exception):
+  """`run_eval`'s `should_stop()` returned True (a signal): the eval stopped between two batches of episodes."""
+
+
 @dataclasses.dataclass
 class EvalRun:
   """Results of `run_eval`: per-problem results (eval-set order) and the summary metrics."""
@@ -74,7 +78,7 @@ def run_eval(backend: rollout.Backend, tokenizer: Tokenizer, task, config: EvalC
              greedy: bool = True, temperature: float | None = None, top_p: float | None = None,
              top_k: int | None = None, limit: int | None = None, batch_size: int | None = None,
              seed: int | None = None, ks: Sequence[int] | None = None, step_timeout_s: float | None = None,
-             progress: bool = True) -> EvalRun:
+             progress: bool = True, should_stop: Callable[[], bool] | None = None) -> EvalRun:
   """Plays the eval set with `backend` and scores it (see the module docstring).
 
   Args:
@@ -91,9 +95,14 @@ def run_eval(backend: rollout.Backend, tokenizer: Tokenizer, task, config: EvalC
     ks: the k of pass@k / avg@k (default 1, 2, 4, ... up to num_samples, and num_samples).
     step_timeout_s: wall-clock bound of one env step.
     progress: show a tqdm progress bar (on stderr) and log the rate.
+    should_stop: polled before each batch of episodes (the same number of calls on every process: it may be a
+      collective); True raises `Interrupted` (a signal stops a long eval within one batch).
 
   Returns:
     An `EvalRun`.
+
+  Raises:
+    Interrupted: `should_stop()` returned True.
   """
   if num_samples < 0:
     raise ValueError(f'num_samples={num_samples} must be >= 0.')
@@ -132,6 +141,8 @@ def run_eval(backend: rollout.Backend, tokenizer: Tokenizer, task, config: EvalC
   try:
     for decoding, jobs in groups:
       for start in range(0, len(jobs), batch_size):
+        if should_stop is not None and should_stop():
+          raise Interrupted(f'eval of {task.name} stopped after {len(trajs)} of {total} episodes')
         chunk = jobs[start:start + batch_size]
         envs = [task.make_env(examples[i]) for i, _ in chunk]
         seeds = [rollout.episode_seed(seed, i, j) for i, j in chunk]

@@ -15,6 +15,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from sao_jax import checkpoint
 from sao_jax import config_lib
 from sao_jax import metrics
 from sao_jax import parallel
@@ -22,6 +23,7 @@ from sao_jax import tokenizers
 from sao_jax import trainer
 from sao_jax.envs import data_check
 from sao_jax.envs import registry
+from sao_jax.errors import RunError
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Config file, e.g. configs/arith.py (optionally `:arg`).', lock_config=True)
@@ -53,7 +55,12 @@ def main(argv):
     print(report)
     return
   logging.info('Config:\n%s', config)
-  trainer.run(config, validated=True)
+  try:
+    trainer.run(config, validated=True)
+  except config_lib.ConfigError as e:  # Refused at start-up (before the model build): a resume's changed config.
+    sys.exit(f'FATAL bad config: {e}')
+  except (RunError, checkpoint.CheckpointCorrupt) as e:  # What was saved is kept; the same command resumes.
+    sys.exit(f'FATAL {" ".join(str(e).split())}')
 
 
 def check_data(config) -> data_check.DataReport:

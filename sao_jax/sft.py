@@ -20,11 +20,20 @@ clipping) on a train state of the policy with its own optimizer (`config.optim` 
 optimizer's state is not touched. Afterwards the policy's weights go back into the learner, and the critic is
 re-initialised from the warm-started policy (SAO: the value model starts as the policy's backbone with a zero
 head), with a fresh optimizer state.
+
+Resumable (`directory`, the trainer's `<workdir>/warm_start`): its state (the policy's train state with its optimizer
+state, the problems' stream position, the losses and the accuracy before) is checkpointed every
+`config.sft.checkpoint_every` steps, when `should_stop()` turns true (a signal: it stops within one step, or within
+one batch of episodes of an eval, saves and returns None) and at its last step; a later call resumes where it
+stopped and ends with the same weights as one uninterrupted warm start. Once done, `summary.json` there holds its
+result: a rerun (a run killed before its first RL checkpoint) restores the final state without training or
+evaluating again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,9 +42,11 @@ import jax
 import numpy as np
 from absl import logging
 
+from sao_jax import checkpoint as checkpoint_lib
 from sao_jax import eval as eval_lib
 from sao_jax import losses
 from sao_jax import parallel
+from sao_jax import paths
 from sao_jax import rollout
 from sao_jax.envs import base as envs_base
 from sao_jax.learner import Learner
@@ -47,6 +58,8 @@ from sao_jax.models import logprobs as logprobs_lib
 from sao_jax.tokenizers import Tokenizer
 
 Metrics = dict[str, jax.Array]
+STATE_DIR = 'state'  # Under the warm start's directory: its checkpoints (one kept).
+SUMMARY_FILE = 'summary.json'  # Under the warm start's directory: the result of a finished warm start.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +68,8 @@ class SftConfig:
   for each field's meaning).
 
   Attributes:
-    steps, batch_size, lr, warmup_steps, schedule, end_lr_factor, num_examples, log_every: `config.sft`'s.
+    steps, batch_size, lr, warmup_steps, schedule, end_lr_factor, num_examples, log_every, checkpoint_every:
+      `config.sft`'s.
     data_seed: the seed of the problems' stream, `config.seed + config.sft.data_seed`.
     seq_buckets: the padded row lengths allowed (`config.trainer.seq_buckets`).
     limits: the run's episode budgets (`EpisodeLimits.from_config(config)`): a reference episode must fit them.
@@ -75,6 +89,7 @@ class SftConfig:
   limits: rollout.EpisodeLimits
   optim: optim_lib.OptimConfig
   eval: eval_lib.EvalConfig
+  checkpoint_every: int = 0
 
   @classmethod
   def from_config(cls, config: Any) -> SftConfig:
@@ -84,7 +99,7 @@ class SftConfig:
                log_every=int(s.log_every), data_seed=int(config.seed) + int(s.data_seed),
                seq_buckets=tuple(int(b) for b in config.trainer.seq_buckets),
                limits=rollout.EpisodeLimits.from_config(config), optim=optim_lib.OptimConfig.from_config(config),
-               eval=eval_lib.EvalConfig.from_config(config))
+               eval=eval_lib.EvalConfig.from_config(config), checkpoint_every=int(s.checkpoint_every))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -161,6 +176,15 @@ class SolutionStream:
     self._pos += 1
     return ex
 
+  def state(self) -> dict[str, Any]:
+    """The stream's position (JSON): the next batch after `restore(state)` on a new stream of the same
+    arguments is the one this stream would give next."""
+    return {'pos': self._pos, 'iterator': self._it.state()}
+
+  def restore(self, state: dict[str, Any]) -> None:
+    self._pos = int(state['pos'])
+    self._it.restore(state['iterator'])
+
   def __iter__(self):
     return self
 
@@ -235,7 +259,8 @@ def _reset_critic(learner: Learner) -> None:
 
 
 def warm_start(learner: Learner, task: envs_base.Task, tokenizer: Tokenizer, settings: SftConfig, *,
-               evaluate: bool = True) -> dict[str, float]:
+               evaluate: bool = True, directory: str | None = None, should_stop: Callable[[], bool] | None = None,
+               config: Any = None) -> dict[str, float] | None:
   """Runs `settings.steps` supervised steps on the learner's policy (see the module docstring).
 
   Args:
@@ -244,54 +269,134 @@ def warm_start(learner: Learner, task: envs_base.Task, tokenizer: Tokenizer, set
     tokenizer: the policy's tokenizer.
     settings: the warm start's settings (`SftConfig.from_config(config)`).
     evaluate: greedy eval accuracy on the task's eval set before and after (`sao_jax.eval.evaluate`).
+    directory: where its state is checkpointed and its result kept (None: not resumable).
+    should_stop: polled before each step and each batch of eval episodes (the same number of calls on every
+      process: it may be a collective); when it returns True the state is saved and None returned.
+    config: the run's config, saved with the state (a resume with another one is refused as the trainer's is).
 
   Returns:
     `{'sft/steps', 'sft/examples', 'sft/loss_first', 'sft/loss_last', 'sft/wall_s', 'sft/tokens_per_s'}` and,
-    with `evaluate`, `'sft/eval_accuracy_before'` and `'sft/eval_accuracy'` (after).
+    with `evaluate`, `'sft/eval_accuracy_before'` and `'sft/eval_accuracy'` (after); None when stopped.
   """
   steps = settings.steps
+  should_stop = should_stop or (lambda: False)
   t0 = time.perf_counter()
-  out: dict[str, float] = {}
   backend = None
 
-  def accuracy() -> float:
+  def accuracy() -> float | None:
     nonlocal backend
     model = learner.policy_model()
     if backend is None:
       backend = rollout.make_backend(model, tokenizer, task, settings.eval.settings, version=0)
-    summary = eval_lib.evaluate(model, tokenizer, task, settings.eval, backend=backend, version=0, progress=False)
+    try:
+      summary = eval_lib.evaluate(model, tokenizer, task, settings.eval, backend=backend, version=0,
+                                  progress=False, should_stop=should_stop)
+    except eval_lib.Interrupted:
+      return None
     return float(summary['greedy_accuracy'])
 
-  if evaluate:
-    out['sft/eval_accuracy_before'] = accuracy()
   spec, ts, shardings = state_lib.create_train_state(learner.policy_model(), sft_optimizer(settings), learner.mesh,
                                                      learner.settings.rules)
-  step_fn = make_sft_step(spec, shardings, learner.mesh)
   data = SolutionStream(task, tokenizer, seed=settings.data_seed, batch_size=settings.batch_size,
                         num_examples=settings.num_examples, seq_buckets=settings.seq_buckets, limits=settings.limits)
-  first = last = float('nan')
-  tokens = 0
-  t_steps = time.perf_counter()
-  for i in range(steps):
-    rows = next(data)
-    tokens += rows['tokens'].size
-    ts, metrics = step_fn(ts, state_lib.place(rows, {k: parallel.batch_sharding(learner.mesh, 2) for k in rows}))
-    if i == 0 or i == steps - 1 or (settings.log_every and (i + 1) % settings.log_every == 0):
-      m = {k: float(v) for k, v in parallel.to_host(metrics).items()}
-      first = m['loss'] if i == 0 else first
-      last = m['loss']
-      logging.info('sft step %d/%d | loss %.4f | grad norm %.3f', i + 1, steps, m['loss'], m['grad_norm'])
-  jax.block_until_ready(ts)
-  step_s = time.perf_counter() - t_steps
-  policy = learner.state.policy.replace(params=ts.params, rest=ts.rest)
-  learner.state = learner.state.replace(policy=policy)
-  _reset_critic(learner)
-  if evaluate:
-    out['sft/eval_accuracy'] = accuracy()
-  out.update({'sft/steps': float(steps), 'sft/examples': float(steps * settings.batch_size),
-              'sft/loss_first': first, 'sft/loss_last': last, 'sft/wall_s': time.perf_counter() - t0,
-              'sft/tokens_per_s': tokens / max(step_s, 1e-9)})
-  logging.info('Warm start: %d steps (%d examples) in %.1fs; loss %.4f -> %.4f; eval accuracy %s -> %s.', steps,
-               steps * settings.batch_size, out['sft/wall_s'], first, last,
-               out.get('sft/eval_accuracy_before', 'n/a'), out.get('sft/eval_accuracy', 'n/a'))
-  return out
+  # Carried across resumes: the accuracy before, the losses, the tokens and the seconds spent so far.
+  out: dict[str, float] = {'sft/loss_first': float('nan'), 'sft/loss_last': float('nan'), 'tokens': 0.0,
+                           'step_s': 0.0, 'wall_s': 0.0}
+  ckpt = None
+  done = 0
+  if directory is not None:
+    ckpt = checkpoint_lib.Checkpointer(paths.join(directory, STATE_DIR), keep=1)
+  try:
+    if ckpt is not None and ckpt.latest_step() is not None:
+      got = ckpt.restore(None, target=_target(ts, shardings), set_aside_damaged=True)
+      ts = _from_item(got)
+      data.restore(got.data["stream"])
+      out.update(got.data['out'])
+      done = int(got.step)
+      logging.info('Warm start: resumed at step %d of %d from %s.', done, steps, ckpt.directory)
+
+    def save(step: int) -> None:
+      if ckpt is None or step in ckpt.all_steps():
+        return
+      carried = {**out, 'wall_s': out['wall_s'] + time.perf_counter() - t0}
+      ckpt.save(checkpoint_lib.CheckpointState(
+          step=step, policy=ts.params,
+          optimizer={'rest': ts.rest, 'opt_state': ts.opt_state, 'step': ts.step, 'skipped': ts.skipped,
+                     'consecutive_skips': ts.consecutive_skips},
+          data={'stream': data.state(), 'out': carried},
+          metadata={'config': {} if config is None else checkpoint_lib.flat_config(config)}), force=True)
+      ckpt.wait()  # Committed before the run goes on (a signal's save is the last thing the run does).
+
+    def install() -> None:
+      policy = learner.state.policy.replace(params=ts.params, rest=ts.rest)
+      learner.state = learner.state.replace(policy=policy)
+      _reset_critic(learner)
+
+    summary_path = None if directory is None else paths.join(directory, SUMMARY_FILE)
+    if done == steps and summary_path is not None and paths.exists(summary_path):
+      install()
+      result = json.loads(paths.read_text(summary_path))
+      logging.info('Warm start: done before (%s), its final state restored.', summary_path)
+      return result
+
+    if evaluate and 'sft/eval_accuracy_before' not in out and done == 0:
+      before = accuracy()
+      if before is None:
+        return None  # Nothing trained yet: nothing to save.
+      out['sft/eval_accuracy_before'] = before
+    step_fn = make_sft_step(spec, shardings, learner.mesh)
+    t_steps = time.perf_counter()
+    for i in range(done, steps):
+      if should_stop():
+        save(i)
+        logging.warning('Warm start stopped at step %d of %d (saved; the same command resumes it).', i, steps)
+        return None
+      rows = next(data)
+      out['tokens'] += rows['tokens'].size
+      ts, metrics = step_fn(ts, state_lib.place(rows, {k: parallel.batch_sharding(learner.mesh, 2) for k in rows}))
+      if i == 0 or i == steps - 1 or (settings.log_every and (i + 1) % settings.log_every == 0):
+        m = {k: float(v) for k, v in parallel.to_host(metrics).items()}
+        if i == 0:
+          out['sft/loss_first'] = m['loss']
+        out['sft/loss_last'] = m['loss']
+        logging.info('sft step %d/%d | loss %.4f | grad norm %.3f', i + 1, steps, m['loss'], m['grad_norm'])
+      if settings.checkpoint_every and (i + 1) % settings.checkpoint_every == 0 and i + 1 < steps:
+        save(i + 1)
+    jax.block_until_ready(ts)
+    out['step_s'] += time.perf_counter() - t_steps
+    save(steps)  # The final state: a run killed from here on restores it instead of training again.
+    install()
+    result = {}
+    if evaluate:
+      after = accuracy()
+      if after is None:
+        return None
+      result['sft/eval_accuracy_before'] = out['sft/eval_accuracy_before']
+      result['sft/eval_accuracy'] = after
+    wall = out['wall_s'] + time.perf_counter() - t0
+    result.update({'sft/steps': float(steps), 'sft/examples': float(steps * settings.batch_size),
+                   'sft/loss_first': out['sft/loss_first'], 'sft/loss_last': out['sft/loss_last'], 'sft/wall_s': wall,
+                   'sft/tokens_per_s': out['tokens'] / max(out['step_s'], 1e-9)})
+    if summary_path is not None and jax.process_index() == 0:
+      paths.write_text(summary_path, json.dumps(result, indent=1, sort_keys=True))
+    logging.info('Warm start: %d steps (%d examples) in %.1fs; loss %.4f -> %.4f; eval accuracy %s -> %s.', steps,
+                 steps * settings.batch_size, wall, result['sft/loss_first'], result['sft/loss_last'],
+                 result.get('sft/eval_accuracy_before', 'n/a'), result.get('sft/eval_accuracy', 'n/a'))
+    return result
+  finally:
+    if ckpt is not None:
+      ckpt.close()
+
+
+def _target(ts: state_lib.TrainState, shardings: state_lib.TrainState) -> checkpoint_lib.CheckpointState:
+  """The abstract target of a warm-start checkpoint (the train state's shapes on its shardings)."""
+  tree = lambda t: {'rest': t.rest, 'opt_state': t.opt_state, 'step': t.step, 'skipped': t.skipped,
+                    'consecutive_skips': t.consecutive_skips}
+  return checkpoint_lib.CheckpointState(
+      step=0, policy=checkpoint_lib.abstract_target(ts.params, shardings.params),
+      optimizer=checkpoint_lib.abstract_target(tree(ts), tree(shardings)))
+
+
+def _from_item(got: checkpoint_lib.CheckpointState) -> state_lib.TrainState:
+  o = got.optimizer
+  return state_lib.TrainState(got.policy, o['rest'], o['opt_state'], o['step'], o['skipped'], o['consecutive_skips'])

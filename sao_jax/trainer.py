@@ -16,7 +16,9 @@ start -> actors -> loop -> final eval and save (docs/design.md, Data flow). Rule
 - checkpoints (every `trainer.checkpoint_every` steps and at the end) hold the learner state, each process's data
   position and the config; a workdir with one resumes from it (a changed config refused, naming the fields, unless
   `trainer.allow_config_change`); `metrics.jsonl` has every step exactly once across resumes;
-- SIGTERM / SIGINT finish the current step, save and return.
+- SIGTERM / SIGINT finish the current step (an RL step, a warm-start step, a batch of eval episodes), save and
+  return; one run per workdir (`workdir.WorkdirLock`); every start-up refusal comes before the model build; a
+  checkpoint save that fails is retried, then stops the run (`RunError`) (docs/design.md, Faults).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from typing import Any
 from absl import logging
 import jax
 from flax import nnx
-from jax.experimental import multihost_utils
 import numpy as np
 
 from sao_jax import checkpoint as checkpoint_lib
@@ -42,8 +43,11 @@ from sao_jax import parallel
 from sao_jax import paths
 from sao_jax import rollout
 from sao_jax import sft
+from sao_jax import workdir as workdir_lib
+from sao_jax.envs import data_check
 from sao_jax.envs import registry
 from sao_jax.errors import ConfigError
+from sao_jax.errors import RunError
 from sao_jax.learner import Learner, LearnerConfig
 from sao_jax.generate.config import GenerateConfig
 from sao_jax.generate.weights import WeightPublisher
@@ -84,11 +88,12 @@ class _DoneClock:
     return self._t
 
 
-def _any_process(flag: bool) -> bool:
-  """True on every process when `flag` is set on any (a signal reaching one host stops all at the same step)."""
+def _any_process(flag: bool, name: str = 'stop') -> bool:
+  """True on every process when `flag` is set on any (a signal reaching one host stops all at the same step).
+  Through the coordination service (`parallel.process_max`), never behind programs running on the devices."""
   if jax.process_count() == 1:
     return flag
-  return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+  return bool(parallel.process_max(name, int(flag)))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -115,14 +120,15 @@ def _log_failures(trajectories: list) -> list[str]:
 
 
 class _StopFlag:
-  """SIGTERM / SIGINT set a flag; the loop saves at the end of the current step and returns.
+  """SIGTERM / SIGINT set a flag; the run saves at the end of the current step (a warm-start step, a batch of eval
+  episodes) and returns.
 
   `run` installs it first thing, before the (long) model build, compilation, resume and warm start: a signal
   then stops the run at its first step check. It must not wait for the loop: `jax.distributed.initialize`
   installs jax's preemption notifier, which catches SIGTERM only to record it for jax's preemption sync point
   (unused here), so a multi-process run ignored SIGTERM until its loop started (a warm start or a long compile:
-  minutes). The flag is only read at step boundaries, through `_any_process`: every process stops at one step.
-  A signal while a warm start (`config.sft`) runs takes effect when it ends.
+  minutes). The flag is read at step boundaries (RL steps, warm-start steps, eval batches), through `_any_process`:
+  every process stops at the same one.
   """
 
   def __init__(self):
@@ -139,6 +145,10 @@ class _StopFlag:
     del frame
     logging.warning('Received signal %d: finishing this step, then saving and exiting.', signum)
     self.set = True
+
+  def any_process(self) -> bool:
+    """Whether a signal reached any process (a collective when there are several: same calls on every one)."""
+    return _any_process(self.set)
 
   def uninstall(self) -> None:
     for sig, old in self._old.items():
@@ -173,16 +183,36 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
   t_start = time.perf_counter()
   if not validated:
     config = config_lib.validate(config, for_run=True, log=False)
+  if not config.workdir:
+    raise ConfigError("config.workdir='': the trainer needs a work directory (--workdir).")
+  # Every start-up refusal comes before the model build, in one line: a workdir this run cannot write, one that
+  # another run holds, a checkpoint (or a warm start's state) of a run with another config.
+  workdir_lib.check_writable(config.workdir)
+  lock = workdir_lib.WorkdirLock.for_run(config.workdir)  # Before this run writes anything there.
+  try:
+    defaults = config_lib.defaults()
+    checkpoint_lib.check_resume_config(checkpoint_lib.CheckpointConfig.from_config(config).directory, config,
+                                       defaults=defaults)
+    checkpoint_lib.check_resume_config(paths.join(config.workdir, WARM_START_DIR, sft.STATE_DIR), config,
+                                       defaults=defaults)
+    return _train(config, stop, t_start)
+  finally:
+    lock.release()
+
+
+WARM_START_DIR = 'warm_start'  # <workdir>/warm_start: the warm start's own checkpoints and summary (sao_jax/sft.py).
+
+
+def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
   # Process-wide, not a `with` block: the actors' threads trace their programs too (jax's contexts are per thread).
   jax.config.update('jax_default_matmul_precision', config.model.matmul_precision)
   tr = config.trainer
-  if not config.workdir:
-    raise ConfigError("config.workdir='': the trainer needs a work directory (--workdir).")
   paths.makedirs(config.workdir)  # A local directory or a URI (gs://bucket/run): every file goes through `paths`.
 
   # ---- Task, tokenizer, mesh, model, learner.
   task = registry.get_task(config.task)
   tokenizer = get_tokenizer(config)
+  data_check.check_task_data(config, task, tokenizer)  # Rows the run cannot use: dropped, named, counted.
   learner_devices, actor_devices = parallel.split_devices(config.mesh)
   mesh = parallel.make_mesh(config.mesh, learner_devices)
   actor_mesh = None if actor_devices is None else parallel.make_actor_mesh(actor_devices)
@@ -218,14 +248,32 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
   parallel.sync('checkpointer', meshes=(mesh,))
   ckpt = checkpoint_lib.Checkpointer.from_settings(checkpoint_lib.CheckpointConfig.from_config(config))
   start = 0
+  warm_dir = paths.join(config.workdir, WARM_START_DIR)
   if ckpt.latest_step() is not None:
     start = checkpoint_lib.restore_checkpoint(ckpt, learner, config, prompts, defaults=config_lib.defaults())
+    state_dir = paths.join(warm_dir, sft.STATE_DIR)
+    if parallel.is_main_process() and paths.isdir(state_dir):  # Superseded by the RL checkpoint (its summary stays).
+      logging.info('Removing the warm start state %s: the run resumes from RL step %d.', state_dir, start)
+      paths.rmtree(state_dir, missing_ok=True)
 
-  # ---- Supervised warm start (config.sft, sao_jax/sft.py): a fresh run only, before the actors start.
-  # Its metrics (eval accuracy before / after it, losses) go into the step-0 row and the run summary.
+  def stopped_early(phase: str) -> dict[str, Any]:
+    ckpt.close()
+    task.close()
+    logging.warning('Stopped by a signal during %s; the same command resumes the run.', phase)
+    return {'steps': start, 'trajectories': 0, 'wall_s': time.perf_counter() - t_start, 'start_accuracy': None,
+            'end_accuracy': None, 'stopped_by_signal': True, 'generated_tokens': 0, 'tokens_per_s': 0.0}
+
+  # ---- Supervised warm start (config.sft, sao_jax/sft.py): a fresh run only, before the actors start; resumable
+  # (its own checkpoints in <workdir>/warm_start). Its metrics (eval accuracy before / after it, losses) go into the
+  # step-0 row and the run summary.
   warm = {}
+  if stop.any_process():
+    return stopped_early('the start-up')
   if start == 0 and int(config.sft.steps) > 0:
-    warm = sft.warm_start(learner, task, tokenizer, sft.SftConfig.from_config(config), evaluate=bool(tr.eval_every))
+    warm = sft.warm_start(learner, task, tokenizer, sft.SftConfig.from_config(config), evaluate=bool(tr.eval_every),
+                          directory=warm_dir, should_stop=stop.any_process, config=config)
+    if warm is None:
+      return stopped_early('the warm start')
 
   # ---- Actors.
   publisher = WeightPublisher(actor_mesh, config.mesh.rules)
@@ -284,19 +332,29 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
   eval_backend = None
   eval_config = eval_lib.EvalConfig.from_config(config)
 
-  def evaluate(step: int) -> dict[str, float]:
+  def evaluate(step: int) -> dict[str, float] | None:
+    """The eval row values at `step`; None when a signal stopped it (within one batch of episodes)."""
     nonlocal eval_backend
     model, _ = publisher.latest()  # On the actors' devices (this process's own, on several processes).
     if eval_backend is None:
       eval_backend = rollout.make_backend(model, tokenizer, task, settings, version=step)
-    summary = eval_lib.evaluate(model, tokenizer, task, eval_config, backend=eval_backend, progress=False,
-                                version=step)
+    try:
+      summary = eval_lib.evaluate(model, tokenizer, task, eval_config, backend=eval_backend, progress=False,
+                                  version=step, should_stop=stop.any_process)
+    except eval_lib.Interrupted as e:
+      logging.warning('Eval at step %d stopped by a signal (%s).', step, e)
+      return None
     return {'eval_accuracy': summary['greedy_accuracy'], 'eval/greedy_reward': summary['greedy_reward'],
             'eval/truncated_fraction': summary['truncated_fraction']}
 
+  def eval_due(step: int) -> bool:
+    return bool(tr.eval_every) and (step % int(tr.eval_every) == 0 or step == int(tr.num_steps))
+
   # ---- Loop.
-  writer = metrics_lib.MetricsWriter(config.workdir, resume_step=start, tensorboard=bool(tr.tensorboard),
-                                     wandb_project=str(tr.wandb_project), config=checkpoint_lib.flat_config(config))
+  # A fresh run (no checkpoint) drops every row an earlier attempt wrote: each step's row is written exactly once.
+  writer = metrics_lib.MetricsWriter(config.workdir, resume_step=start if start else -1,
+                                     tensorboard=bool(tr.tensorboard), wandb_project=str(tr.wandb_project),
+                                     config=checkpoint_lib.flat_config(config))
   progress = metrics_lib.Progress(int(tr.num_steps), start_step=start)
   # `time/wall_s` of a row: seconds since the run began, summed over a resumed run's earlier processes (the last
   # kept row's value carries on), so curves can be drawn against wall time across a kill and resume; so do the
@@ -312,14 +370,68 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
   counts = {kind: int(carried(key)) for key, kind in CARRIED_TOTALS.items()}
   in_flight_seen = 0  # Of this process's actors (their counter starts at 0 here).
   trajectories_trained = counts.pop('trajectories')
-  first_eval = None
-  last_eval = None
+  first_eval = last_eval = None
   step = start
+  stopped = False
+  save_retries, save_retry_s = int(tr.save_retries), float(tr.save_retry_s)
+
+  def save(final: bool = False) -> None:
+    """A checkpoint of the learner's step, committed or retried: a failed save (its own error, or the previous
+    async save's surfacing now) is tried again, synchronously, after save_retry_s, 2 save_retry_s, ...; past
+    `trainer.save_retries` the run stops (`RunError`). Every process agrees on each outcome. `final`: waited for
+    (the run's last save is committed before it returns)."""
+    for attempt in range(save_retries + 1):
+      error = None
+      try:
+        writer.flush()  # The rows up to the checkpoint are in the workdir first (a remote one's: uploaded).
+        if learner.step not in ckpt.all_steps():
+          checkpoint_lib.save_checkpoint(ckpt, learner, model_config, config, prompts)
+        if attempt or final:
+          ckpt.wait()
+      except RunError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except  (orbax / tensorstore / the OS raise anything)
+        error = e
+      if not _any_process(error is not None, 'save_failed'):
+        return
+      what = f'{type(error).__name__}: {str(error).splitlines()[0][:300]}' if error else 'on another process'
+      if attempt == save_retries:
+        raise RunError(f'Checkpoint of step {learner.step} could not be saved in {ckpt.directory} '
+                       f'({attempt + 1} tries): {what}') from error
+      wait_s = save_retry_s * 2 ** attempt
+      logging.error('Checkpoint of step %d failed (%s); trying again in %.0fs (%d of %d).', learner.step, what,
+                    wait_s, attempt + 1, save_retries)
+      time.sleep(wait_s)
+      ckpt.remove_interrupted_saves()
+
+  def check_saves() -> None:
+    """An async save that failed since the last step is taken again now (`save`)."""
+    error = None
+    try:
+      ckpt.check()
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    if _any_process(error is not None, 'save_check'):
+      logging.error('An earlier checkpoint save failed (%s): saving step %d now.', error, learner.step)
+      ckpt.remove_interrupted_saves()
+      save()
+
   try:
+    if start and eval_due(start) and kept_rows and kept_rows[-1].get('step') == start \
+        and 'eval_accuracy' not in kept_rows[-1]:
+      # A signal stopped the eval of the restored step: its row was written without it; evaluated and filled in now.
+      last_eval = evaluate(start)
+      if last_eval is None:
+        stopped = True
+      else:
+        writer.update(start, last_eval)
     if start == 0 and tr.eval_every:
       first_eval = last_eval = evaluate(0)
-      writer.write(0, {**first_eval, 'trajectories': 0, **warm, 'time/wall_s': wall_s()})
-      logging.info('step 0: eval accuracy %.3f', first_eval['eval_accuracy'])
+      if first_eval is None:
+        stopped = True  # Nothing written: the rerun evaluates step 0 again (the warm start's state is kept).
+      else:
+        writer.write(0, {**first_eval, 'trajectories': 0, **warm, 'time/wall_s': wall_s()})
+        logging.info('step 0: eval accuracy %.3f', first_eval['eval_accuracy'])
 
     def draw(version: int) -> tuple[rollout.Packed, list[int], float, collections.Counter[str], dict[str, float]]:
       """`rows` trajectories that pass the staleness filter (for a step at `version`), packed; with their
@@ -372,8 +484,7 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
     done_clock = _DoneClock()
     last_done = last_dispatch = time.perf_counter()
     upcoming = None
-    stopped = False
-    while step < int(tr.num_steps) and not (stopped := _any_process(stop.set)):
+    while not stopped and step < int(tr.num_steps) and not (stopped := stop.any_process()):
       if upcoming is None:
         upcoming = draw(step)
       packed, staleness, wait_s, dropped_pack, timing = upcoming
@@ -421,9 +532,11 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
           **timing, 'learner/busy_s': dt - idle_s,
           **task.metrics(),  # E.g. drift/phase.
       }
-      if tr.eval_every and (step % int(tr.eval_every) == 0 or step == int(tr.num_steps)):
-        last_eval = evaluate(step)
-        row.update(last_eval)
+      if eval_due(step):
+        now = evaluate(step)  # (None: a signal stopped it; the resumed run evaluates this step and fills its row.)
+        if now is not None:
+          last_eval = now
+          row.update(now)
       row['time/wall_s'] = wall_s()
       writer.write(step, row)
       if step % int(tr.log_every) == 0 or step == int(tr.num_steps):
@@ -431,18 +544,21 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
       else:
         progress.line(step, row)
       if tr.checkpoint_every and step % int(tr.checkpoint_every) == 0:
-        writer.flush()  # The rows up to the checkpoint are in the workdir first (a remote one's: uploaded).
-        checkpoint_lib.save_checkpoint(ckpt, learner, model_config, config, prompts)
-    if tr.checkpoint_every and step > start and step not in ckpt.all_steps():  # The last step, or a signal's.
-      writer.flush()
-      checkpoint_lib.save_checkpoint(ckpt, learner, model_config, config, prompts)
+        save()
+      elif tr.checkpoint_every:
+        check_saves()
+    if tr.checkpoint_every and step > start:  # The last step, or a signal's: committed before the run returns.
+      save(final=True)
   finally:
     queue.close()
     for th in threads:
       th.stop()
     for th in threads:
       th.join(timeout=60)
-    ckpt.close()
+    try:
+      ckpt.close()
+    except Exception as e:  # pylint: disable=broad-except  (a save that failed after the last check)
+      logging.error('Checkpoint: the last save failed: %s', e)
     writer.close()
     task.close()
   if tr.export_hf and not stopped:

@@ -192,7 +192,9 @@ class GcsRunTest(absltest.TestCase):
     summary = trainer.run(trainer_test.tiny_config(workdir, mode='sync', tensorboard=True))
     self.assertEqual(summary['steps'], 2)
     self.assertEqual([r['step'] for r in metrics.read_metrics(workdir)], [1, 2])
-    self.assertEqual(sorted(os.listdir(run_dir)), ['checkpoints', 'metrics.jsonl', 'tensorboard'])
+    self.assertEqual(sorted(os.listdir(run_dir)), ['RUN_LOCK', 'checkpoints', 'metrics.jsonl', 'tensorboard'])
+    with open(os.path.join(run_dir, 'RUN_LOCK')) as f:
+      self.assertTrue(json.load(f)['released'])  # The workdir lock, held through the bucket, let go at the end.
     self.assertLen(glob.glob(os.path.join(run_dir, 'tensorboard', 'events.out.tfevents.*')), 1)
     scalars = metrics_test._tb_scalars(os.path.join(run_dir, 'tensorboard'))  # pylint: disable=protected-access
     self.assertEqual(sorted({s for t, s, _ in scalars if t == 'reward_mean'}), [1, 2])
