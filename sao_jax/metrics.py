@@ -41,14 +41,23 @@ METRICS_FILE = 'metrics.jsonl'
 
 
 class _LibraryInfoFilter(logging_std.Filter):
-  """Drops INFO lines from the given libraries' source files (orbax logs every file rename of a save)."""
+  """Drops INFO lines from the given libraries' source files (orbax logs every file rename of a save), and the
+  tracebacks of their errors (a failed save logs its error, with a traceback, from each of its threads: the
+  message line stays; the run reports the error itself, `trainer`'s save)."""
 
   def __init__(self, packages: tuple[str, ...]):
     super().__init__()
     self._parts = tuple(f'{os.sep}{p}{os.sep}' for p in packages)
 
   def filter(self, record: logging_std.LogRecord) -> bool:
-    return record.levelno >= logging_std.WARNING or not any(p in record.pathname for p in self._parts)
+    ours = any(p in record.pathname for p in self._parts) or (  # Or asyncio's report of their failed tasks.
+        record.name == 'asyncio' and any(p in record.getMessage() for p in self._parts))
+    if not ours:
+      return True
+    if record.exc_info and record.exc_info[1] is not None:
+      error = record.exc_info[1]
+      record.exc_info, record.exc_text = None, f'{type(error).__name__}: {str(error).splitlines()[0][:300]}'
+    return record.levelno >= logging_std.WARNING
 
 
 def quiet_library_logs(packages: tuple[str, ...] = ('orbax',)) -> None:

@@ -310,7 +310,7 @@ def warm_start(learner: Learner, task: envs_base.Task, tokenizer: Tokenizer, set
     if ckpt is not None and ckpt.latest_step() is not None:
       got = ckpt.restore(None, target=_target(ts, shardings), set_aside_damaged=True)
       ts = _from_item(got)
-      data.restore(got.data["stream"])
+      data.restore(got.data['stream'])
       out.update(got.data['out'])
       done = int(got.step)
       logging.info('Warm start: resumed at step %d of %d from %s.', done, steps, ckpt.directory)

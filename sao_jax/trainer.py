@@ -399,8 +399,8 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
         raise RunError(f'Checkpoint of step {learner.step} could not be saved in {ckpt.directory} '
                        f'({attempt + 1} tries): {what}') from error
       wait_s = save_retry_s * 2 ** attempt
-      logging.error('Checkpoint of step %d failed (%s); trying again in %.0fs (%d of %d).', learner.step, what,
-                    wait_s, attempt + 1, save_retries)
+      logging.error('A checkpoint save failed (%s); saving step %d again in %.0fs (retry %d of %d).', what,
+                    learner.step, wait_s, attempt + 1, save_retries)
       time.sleep(wait_s)
       ckpt.remove_interrupted_saves()
 

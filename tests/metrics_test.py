@@ -3,10 +3,10 @@
 import errno
 import glob
 import json
+import logging as logging_std
 import math
 import os
 import struct
-import subprocess
 import tempfile
 
 from absl.testing import absltest
@@ -15,6 +15,7 @@ from tensorboardX.proto import event_pb2
 
 from sao_jax import metrics
 from sao_jax.errors import RunError
+from tests import trainer_helpers
 
 
 def _tb_scalars(logdir):
@@ -109,22 +110,16 @@ class MetricsWriterTest(absltest.TestCase):
     with open(os.path.join(self.dir, metrics.METRICS_FILE)) as f:
       self.assertEqual(f.read().splitlines(), ['{"step": 1, "x": 1}', '{"step": 2, "x": 2}'])
 
-  @absltest.skipIf(os.geteuid() != 0, 'mounting a tmpfs needs root')
   def test_on_a_full_tmpfs_the_run_stops_with_whole_rows_only(self):
-    mount = tempfile.mkdtemp()
-    if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=64k', 'tmpfs', mount], check=False).returncode:
-      self.skipTest('this machine cannot mount a tmpfs')
-    try:
-      with metrics.MetricsWriter(mount, tensorboard=False) as w:
-        with self.assertRaisesRegex(RunError, 'No space left on device'):
-          for step in range(100000):
-            w.write(step, {'payload': 'x' * 1000})
-      with open(os.path.join(mount, metrics.METRICS_FILE), 'rb') as f:
-        data = f.read()
-      self.assertTrue(data.endswith(b'\n'))
-      self.assertEqual([json.loads(line)['step'] for line in data.splitlines()], list(range(step)))
-    finally:
-      subprocess.run(['umount', mount], check=False)
+    mount = trainer_helpers.tmpfs(self, 'size=64k')
+    with metrics.MetricsWriter(mount, tensorboard=False) as w:
+      with self.assertRaisesRegex(RunError, 'No space left on device'):
+        for step in range(100000):
+          w.write(step, {'payload': 'x' * 1000})
+    with open(os.path.join(mount, metrics.METRICS_FILE), 'rb') as f:
+      data = f.read()
+    self.assertTrue(data.endswith(b'\n'))
+    self.assertEqual([json.loads(line)['step'] for line in data.splitlines()], list(range(step)))
 
   def test_a_row_is_updated_in_place(self):
     with metrics.MetricsWriter(self.dir, tensorboard=False) as w:
@@ -141,6 +136,31 @@ class MetricsWriterTest(absltest.TestCase):
       w.write(2, {'learner/loss': 0.125})
     got = _tb_scalars(os.path.join(self.dir, 'tensorboard'))
     self.assertCountEqual(got, [('learner/loss', 1, 0.25), ('reward_mean', 1, 1.0), ('learner/loss', 2, 0.125)])
+
+
+class LibraryLogsTest(absltest.TestCase):
+
+  def _record(self, pathname, level, exc=None, name='absl'):
+    record = logging_std.LogRecord(name, level, pathname, 1, 'save failed: %s', ('step 4',),
+                                   None if exc is None else (type(exc), exc, None))
+    return record
+
+  def test_orbax_info_is_dropped_and_its_tracebacks_become_one_line(self):
+    f = metrics._LibraryInfoFilter(('orbax',))  # pylint: disable=protected-access
+    orbax = '/x/site-packages/orbax/checkpoint/manager.py'
+    self.assertFalse(f.filter(self._record(orbax, logging_std.INFO)))
+    self.assertTrue(f.filter(self._record('/x/sao_jax/trainer.py', logging_std.INFO)))
+    error = OSError(28, 'No space left on device')
+    for record in (self._record(orbax, logging_std.ERROR, error),
+                   self._record('/x/asyncio/base_events.py', logging_std.ERROR, error, name='asyncio')):
+      if record.name == 'asyncio':
+        record.msg, record.args = 'Task exception was never retrieved: coro at %s', ('/x/orbax/serialization.py',)
+      self.assertTrue(f.filter(record))
+      text = logging_std.Formatter().format(record)
+      self.assertEqual(text.splitlines()[1:], ['OSError: [Errno 28] No space left on device'])  # No traceback.
+    mine = self._record('/x/sao_jax/trainer.py', logging_std.ERROR, error)
+    self.assertTrue(f.filter(mine))
+    self.assertIsNotNone(mine.exc_info)  # Ours keep theirs.
 
 
 class MetersTest(absltest.TestCase):

@@ -4,6 +4,7 @@ as a dict of `config.<path>` values, so the same shapes (and compiled programs) 
 import os
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 from configs import _tiny
@@ -35,3 +36,16 @@ def popen_main(config_file: str, workdir: str, overrides: dict[str, Any], *, env
   with open(log, 'ab') as f:
     return subprocess.Popen(main_command(config_file, workdir, overrides), cwd=ROOT, env=env, stdout=f,
                             stderr=subprocess.STDOUT)
+
+
+def tmpfs(test, options: str) -> str:
+  """A fresh tmpfs mounted with `options` (e.g. 'size=64k', 'size=1m,ro'), unmounted when `test` ends; the test is
+  skipped where mounting is not allowed (not root, or a container without the capability)."""
+  if os.geteuid() != 0:
+    test.skipTest('mounting a tmpfs needs root')
+  mount = tempfile.mkdtemp()
+  if subprocess.run(['mount', '-t', 'tmpfs', '-o', options, 'tmpfs', mount], check=False,
+                    capture_output=True).returncode:
+    test.skipTest('this machine cannot mount a tmpfs')
+  test.addCleanup(subprocess.run, ['umount', mount], check=False)
+  return mount
