@@ -56,6 +56,8 @@ from sao_jax.rollout import prompts as prompts_lib
 from sao_jax.rollout import trajectory_queue
 from sao_jax.tokenizers import get_tokenizer
 
+WARM_START_DIR = 'warm_start'  # <workdir>/warm_start: the warm start's own checkpoints and summary (sao_jax/sft.py).
+
 # Running totals of a run's metrics rows (row key -> counter): a resumed run carries them on from its last
 # kept row, as it does `time/wall_s`.
 CARRIED_TOTALS = {'trajectories': 'trajectories', 'dropped/stale': 'dropped_stale',
@@ -198,9 +200,6 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
     return _train(config, stop, t_start)
   finally:
     lock.release()
-
-
-WARM_START_DIR = 'warm_start'  # <workdir>/warm_start: the warm start's own checkpoints and summary (sao_jax/sft.py).
 
 
 def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
