@@ -37,20 +37,18 @@ _PROBE = '.write_probe'
 
 
 def check_writable(workdir: str) -> None:
-  """Refuses (`ConfigError`, one line) a workdir the run cannot write, before anything is built: an existing one must
-  take a new file (a probe, created and deleted); a missing one the nearest existing parent directory must allow
-  (local). Nothing is created."""
+  """Refuses (`ConfigError`, one line) a workdir the run cannot write, before anything is built: an existing one, or
+  any on an object store, must take a new file (a probe, created and deleted: a bucket's permissions show here); a
+  missing local one the nearest existing parent directory must allow. Nothing is left behind."""
   field = f'config.workdir={workdir!r}'
   try:
-    if paths.isdir(workdir):
+    if paths.isdir(workdir) or not paths.is_local(workdir):
       probe = paths.join(workdir, f'{_PROBE}-{socket.gethostname()}-{os.getpid()}')
       paths.write_text(probe, '')
       paths.remove(probe)
       return
     if paths.exists(workdir):
       raise ConfigError(f'{field} exists and is not a directory.')
-    if not paths.is_local(workdir):
-      return  # An object store has no directories to create: the first object written makes it.
     parent = os.path.dirname(os.path.abspath(workdir))
     while not os.path.exists(parent):
       parent = os.path.dirname(parent)

@@ -263,10 +263,14 @@ class StartUpRefusalTest(absltest.TestCase):
         trainer.run(tiny_config(mount))
 
   def test_an_unwritable_workdir_is_refused_through_the_path_layer(self):
-    workdir = tempfile.mkdtemp()
-    with mock.patch.object(workdir_lib.paths, 'write_text', side_effect=OSError(errno.EROFS, 'Read-only file system')):
-      with self.assertRaisesRegex(ConfigError, r'is not writable: Read-only file system'):
+    from tests import fake_gcs  # pylint: disable=g-import-not-at-top
+    with fake_gcs.installed('fake') as root:
+      for workdir in (tempfile.mkdtemp(), 'gs://bucket/new_run'):  # A bucket's run is probed before it exists.
         workdir_lib.check_writable(workdir)
+        with mock.patch.object(workdir_lib.paths, 'write_text', side_effect=OSError(errno.EROFS, 'Read-only')):
+          with self.assertRaisesRegex(ConfigError, rf"config.workdir='{workdir}' is not writable: Read-only"):
+            workdir_lib.check_writable(workdir)
+      self.assertFalse(os.path.exists(os.path.join(root, 'bucket', 'new_run')))  # The probe is gone.
 
 
 if __name__ == '__main__':
