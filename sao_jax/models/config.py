@@ -11,7 +11,11 @@ import dataclasses
 from typing import Any, Mapping
 
 DTYPES = ('float32', 'bfloat16')  # Compute and parameter storage dtypes.
-_ROPE_SCALING_TYPES = ('llama3',)
+_ROPE_SCALING_TYPES = ('linear', 'dynamic', 'yarn', 'llama3')  # Formulas: `sao_jax.models.layers.rope_inv_freq`.
+_ROPE_SCALING_REQUIRED = {  # Keys each type needs (yarn's factor may be None: max_position / original).
+    'linear': ('factor',), 'dynamic': ('factor',), 'yarn': ('original_max_position_embeddings',),
+    'llama3': ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'),
+}
 # Rematerialisation of each decoder block in the backward pass, named after `jax.checkpoint_policies` (what the
 # forward pass keeps for the backward; the rest is recomputed): 'none' keeps everything (no remat); 'full' keeps
 # nothing but the block's input (`nothing_saveable`: least memory, one more forward pass of every block);
@@ -48,8 +52,11 @@ class ModelConfig:
     head_dim: Width H of one attention head (need not equal D / N, e.g. Qwen3).
     mlp_dim: Hidden width F of the SwiGLU MLP.
     rope_theta: RoPE base frequency.
-    rope_scaling: None, or an HF `rope_scaling` dict with `rope_type='llama3'` (keys factor,
-      low_freq_factor, high_freq_factor, original_max_position_embeddings).
+    rope_scaling: None, or an HF `rope_scaling` dict with `rope_type` (or the old key `type`) one of 'linear'
+      (factor), 'dynamic' (factor; computed statically: no change up to max_position), 'yarn'
+      (original_max_position_embeddings, factor; optional attention_factor, beta_fast, beta_slow, mscale,
+      mscale_all_dim, truncate) or 'llama3' (factor, low_freq_factor, high_freq_factor,
+      original_max_position_embeddings). Formulas: `sao_jax.models.layers.rope_inv_freq`.
     norm_eps: Epsilon of every RMSNorm.
     tie_embeddings: The lm head reuses the embedding table (logits = h @ E^T).
     qkv_bias: q/k/v projections have biases (Qwen2/2.5).
@@ -65,7 +72,8 @@ class ModelConfig:
     scan_layers: Run the stacked blocks with `lax.scan` (fast compiles) instead of an unrolled loop.
     attention_chunk: Query block of causal attention without a cache (blocks above the diagonal are
       skipped; 0 = one full [T, T] block). At most 16 blocks are used (the block grows with T).
-    max_position: Longest position the model is meant for (HF `max_position_embeddings`; informative).
+    max_position: Longest position the model is meant for (HF `max_position_embeddings`): informative, except as
+      the reference length of 'dynamic' RoPE scaling and the default factor of 'yarn' (`rope_inv_freq`).
     name: Name of the config (informative).
   """
   vocab_size: int
@@ -116,6 +124,9 @@ class ModelConfig:
       kind = self.rope_scaling.get('rope_type', self.rope_scaling.get('type'))
       if kind not in _ROPE_SCALING_TYPES:
         raise ValueError(f'ModelConfig.rope_scaling type {kind!r} is not supported (only {_ROPE_SCALING_TYPES}).')
+      missing = [k for k in _ROPE_SCALING_REQUIRED[kind] if k not in self.rope_scaling]
+      if missing:
+        raise ValueError(f'ModelConfig.rope_scaling of type {kind!r} lacks {missing}.')
       # Store a plain dict copy (immutability by convention; hashing uses the sorted items).
       object.__setattr__(self, 'rope_scaling', dict(self.rope_scaling))
     object.__setattr__(self, 'eos_ids', tuple(int(i) for i in self.eos_ids))
@@ -213,6 +224,10 @@ class ModelConfig:
         rope_scaling = None
       elif kind not in _ROPE_SCALING_TYPES:
         raise ValueError(f'config.json rope scaling type {kind!r} is not supported (only {_ROPE_SCALING_TYPES}).')
+      elif kind == 'yarn':  # As HF: the original context defaults to max_position_embeddings.
+        rope_scaling.setdefault('original_max_position_embeddings', int(hf.get('max_position_embeddings', 8192)))
+      if rope_scaling is not None and rope_scaling.get('partial_rotary_factor', 1.0) != 1.0:
+        raise ValueError(f"config.json partial_rotary_factor={rope_scaling['partial_rotary_factor']} is not supported.")
     num_heads = int(hf['num_attention_heads'])
     embed_dim = int(hf['hidden_size'])
     eos = hf.get('eos_token_id')
