@@ -12,6 +12,7 @@ from flax import nnx
 from sao_jax.checkpoint import manager
 from sao_jax.models import hf_io, layers
 from sao_jax.models.config import ModelConfig
+from tests.models import hf_io_test  # Its cached greedy decode (`_greedy`).
 
 torch = None
 transformers = None
@@ -67,23 +68,6 @@ def _hf_model(family: str, scaling: str):
 @nnx.jit
 def _forward(model, tokens):
   return model(tokens)
-
-
-@nnx.jit
-def _step(model, tokens, cache):
-  logits, cache = model(tokens, cache=cache)
-  return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
-
-
-def _greedy(model, prompt, n):
-  """n greedy tokens through the KV cache (the cached forward's RoPE: `sao_jax.models.decode`)."""
-  cache = model.init_cache(prompt.shape[0], prompt.shape[1] + n)
-  tok, cache = _step(model, prompt, cache)
-  out = [tok]
-  for _ in range(n - 1):
-    tok, cache = _step(model, tok[:, None], cache)
-    out.append(tok)
-  return np.stack(out, axis=1)
 
 
 def _np_default(theta, h):
@@ -142,7 +126,8 @@ class RopeParityTest(parameterized.TestCase):
       with torch.no_grad():
         gen = hf.generate(torch.tensor(prompt, dtype=torch.int64), attention_mask=torch.ones(prompt.shape, dtype=int),
                           max_new_tokens=6, do_sample=False, pad_token_id=0).numpy()[:, 260:]
-      np.testing.assert_array_equal(_greedy(model, jnp.asarray(prompt), 6), gen)
+      ours_greedy = hf_io_test._greedy(model, jnp.asarray(prompt), 6)  # pylint: disable=protected-access
+      np.testing.assert_array_equal(ours_greedy, gen)
     # The checkpoint's JSON round trip keeps the scaling.
     self.assertEqual(manager.model_config_from_json(manager.model_config_to_json(cfg)), cfg)
 
