@@ -20,10 +20,8 @@ transformers = None
 
 def setUpModule():
   global torch, transformers
-  import torch as _torch  # Heavy imports: only when this module's tests run.
-  import transformers as _transformers
-  torch, transformers = _torch, _transformers
-  torch.set_num_threads(1)
+  hf_io_test.setUpModule()  # Heavy imports (torch, transformers): only when this module's tests run.
+  torch, transformers = hf_io_test.torch, hf_io_test.transformers
 
 
 _VOCAB = 128
