@@ -146,9 +146,12 @@ def move(src: PathLike, dst: PathLike) -> None:
     copy_file(src, dst)
     remove(src)
     return
-  for f in root.glob('**/*'):
-    if not f.is_dir():
-      copy_file(os.fspath(f), join(dst, *f.relative_to(root).parts))
+
+  def files(d: epath.Path):  # (epath refuses a recursive glob on GCS: one listing per "directory".)
+    for p in d.iterdir():
+      yield from files(p) if p.is_dir() else (p,)
+  for f in files(root):
+    copy_file(os.fspath(f), join(dst, *f.relative_to(root).parts))
   rmtree(src)
 
 

@@ -100,6 +100,18 @@ class GcsPathsTest(absltest.TestCase):
     self.assertFalse(paths.exists(run))
     paths.rmtree(f'{run}/a', missing_ok=True)
 
+  def test_move_renames_a_directory_of_objects(self):
+    run = 'gs://bucket/ckpt'
+    paths.write_text(f'{run}/4/policy/d/blob', 'x')
+    paths.write_text(f'{run}/4/manifest', 'm')
+    paths.move(f'{run}/4', f'{run}/damaged/4-T')  # (What a resume does with a damaged step.)
+    self.assertEqual(paths.listdir(run), ['damaged'])
+    self.assertEqual(paths.read_text(f'{run}/damaged/4-T/policy/d/blob'), 'x')
+    self.assertEqual(paths.read_text(f'{run}/damaged/4-T/manifest'), 'm')
+    paths.move(f'{run}/damaged/4-T/manifest', f'{run}/m2')  # One object.
+    self.assertEqual(paths.read_text(f'{run}/m2'), 'm')
+    self.assertFalse(paths.exists(f'{run}/damaged/4-T/manifest'))
+
   def test_staged_dir_uploads_changed_files_whole(self):
     target = 'gs://bucket/stage'
     paths.write_text(f'{target}/log.txt', 'old\n')
