@@ -320,9 +320,7 @@ def warm_start(learner: Learner, task: envs_base.Task, tokenizer: Tokenizer, set
         return
       carried = {**out, 'wall_s': out['wall_s'] + time.perf_counter() - t0}
       ckpt.save(checkpoint_lib.CheckpointState(
-          step=step, policy=ts.params,
-          optimizer={'rest': ts.rest, 'opt_state': ts.opt_state, 'step': ts.step, 'skipped': ts.skipped,
-                     'consecutive_skips': ts.consecutive_skips},
+          step=step, policy=ts.params, optimizer=_optimizer_item(ts),
           data={'stream': data.state(), 'out': carried},
           metadata={'config': {} if config is None else checkpoint_lib.flat_config(config)}), force=True)
       ckpt.wait()  # Committed before the run goes on (a signal's save is the last thing the run does).
@@ -388,13 +386,17 @@ def warm_start(learner: Learner, task: envs_base.Task, tokenizer: Tokenizer, set
       ckpt.close()
 
 
+def _optimizer_item(ts: state_lib.TrainState) -> dict[str, Any]:
+  """A warm-start checkpoint's `optimizer` item: the train state but its parameters (saved as `policy`)."""
+  return {'rest': ts.rest, 'opt_state': ts.opt_state, 'step': ts.step, 'skipped': ts.skipped,
+          'consecutive_skips': ts.consecutive_skips}
+
+
 def _target(ts: state_lib.TrainState, shardings: state_lib.TrainState) -> checkpoint_lib.CheckpointState:
   """The abstract target of a warm-start checkpoint (the train state's shapes on its shardings)."""
-  tree = lambda t: {'rest': t.rest, 'opt_state': t.opt_state, 'step': t.step, 'skipped': t.skipped,
-                    'consecutive_skips': t.consecutive_skips}
   return checkpoint_lib.CheckpointState(
       step=0, policy=checkpoint_lib.abstract_target(ts.params, shardings.params),
-      optimizer=checkpoint_lib.abstract_target(tree(ts), tree(shardings)))
+      optimizer=checkpoint_lib.abstract_target(_optimizer_item(ts), _optimizer_item(shardings)))
 
 
 def _from_item(got: checkpoint_lib.CheckpointState) -> state_lib.TrainState:

@@ -187,9 +187,9 @@ def _run(config: Any, stop: _StopFlag, *, validated: bool) -> dict[str, Any]:
     config = config_lib.validate(config, for_run=True, log=False)
   if not config.workdir:
     raise ConfigError("config.workdir='': the trainer needs a work directory (--workdir).")
-  # Every start-up refusal comes before the model build, in one line: a workdir this run cannot write, one that
-  # another run holds, a checkpoint (or a warm start's state) of a run with another config.
-  workdir_lib.check_writable(config.workdir)
+  # Every start-up refusal comes before the model build, in one line: a workdir this run cannot write (checked by
+  # `validate(for_run=True)`), one that another run holds, a checkpoint (or a warm start's state) of a run with
+  # another config.
   lock = workdir_lib.WorkdirLock.for_run(config.workdir)  # Before this run writes anything there.
   try:
     defaults = config_lib.defaults()

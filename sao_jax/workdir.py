@@ -28,6 +28,7 @@ from typing import Any
 from absl import logging
 import jax
 
+from sao_jax import parallel
 from sao_jax import paths
 from sao_jax.errors import ConfigError
 from sao_jax.errors import RunError
@@ -102,7 +103,6 @@ class WorkdirLock:
       except RunError as e:
         error = e
     if jax.process_count() > 1:
-      from sao_jax import parallel  # pylint: disable=g-import-not-at-top
       if parallel.process_max('workdir_lock', int(error is not None)) and error is None:
         lock.release()
         error = RunError(f'config.workdir={workdir!r}: process 0 could not take the workdir lock (see its log).')

@@ -9,7 +9,6 @@ episode's sampling seed is a function of (run seed, prompt number, sample): noth
 """
 
 import glob
-import json
 import os
 import random
 import signal
@@ -102,17 +101,13 @@ class ChaosTest(absltest.TestCase):
     print('Kills:', kills)
     self.assertGreaterEqual(sum(k[1] != 'none: done first' for k in kills), 8, str(kills))
 
-    self.assertEqual(_fingerprints(workdir, STEPS), _fingerprints(whole, STEPS), str(kills))  # Bit for bit.
+    self.assertEqual(trainer_helpers.checkpoint_fingerprints(workdir, STEPS),
+                     trainer_helpers.checkpoint_fingerprints(whole, STEPS), str(kills))  # Bit for bit.
     got, want = metrics.read_metrics(workdir), metrics.read_metrics(whole)
     self.assertEqual([r['step'] for r in got], list(range(STEPS + 1)), str(kills))
     for g, w in zip(got, want):
       for key in COMPARED:
         self.assertEqual(g.get(key), w.get(key), str((g['step'], key, kills)))
-
-
-def _fingerprints(workdir: str, step: int) -> dict:
-  with open(os.path.join(workdir, 'checkpoints', str(step), 'manifest', 'metadata')) as f:
-    return json.load(f)['arrays']
 
 
 def _tail(log: str) -> str:

@@ -1,6 +1,7 @@
 """Shared by the trainer tests: one tiny override for every config (tiny model, short episodes, small batches),
 as a dict of `config.<path>` values, so the same shapes (and compiled programs) serve every test and config."""
 
+import json
 import os
 import subprocess
 import sys
@@ -36,6 +37,13 @@ def popen_main(config_file: str, workdir: str, overrides: dict[str, Any], *, env
   with open(log, 'ab') as f:
     return subprocess.Popen(main_command(config_file, workdir, overrides), cwd=ROOT, env=env, stdout=f,
                             stderr=subprocess.STDOUT)
+
+
+def checkpoint_fingerprints(workdir: str, step: int) -> dict:
+  """The saved fingerprints of every array of checkpoint `step` of a run's workdir (its manifest): equal
+  fingerprints, bitwise equal arrays."""
+  with open(os.path.join(workdir, 'checkpoints', str(step), 'manifest', 'metadata')) as f:
+    return json.load(f)['arrays']
 
 
 def tmpfs(test, options: str) -> str:

@@ -41,12 +41,6 @@ def steps_of(workdir):
   return [r['step'] for r in metrics.read_metrics(workdir)]
 
 
-def fingerprints(workdir, step):
-  """The saved fingerprints of every array of checkpoint `step` (equal fingerprints: bitwise equal arrays)."""
-  with open(os.path.join(workdir, 'checkpoints', str(step), 'manifest', 'metadata')) as f:
-    return json.load(f)['arrays']
-
-
 def _signal_self_at(n):
   """A `should_stop`-style counter: SIGTERM to this process on its n-th call (the signal handler sets the flag)."""
   calls = [0]
@@ -63,7 +57,7 @@ class DamagedCheckpointTest(absltest.TestCase):
   def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_same_command_recovers(self):
     workdir = tempfile.mkdtemp()
     trainer.run(tiny_config(workdir))
-    want = fingerprints(workdir, 4)
+    want = trainer_helpers.checkpoint_fingerprints(workdir, 4)
     ckpts = os.path.join(workdir, 'checkpoints')
     shutil.rmtree(os.path.join(ckpts, '4', 'policy'))  # Damaged: an item is missing.
     # The same command: step 2 restored, steps 3 and 4 retrained, step 4 saved again (it used to raise "A
@@ -78,7 +72,8 @@ class DamagedCheckpointTest(absltest.TestCase):
     self.assertTrue(aside[0].startswith('4-'))
     with open(os.path.join(ckpts, checkpoint_lib.DAMAGED_DIR, aside[0], 'DAMAGED.txt')) as f:
       self.assertIn("['policy'] saved but missing", f.read())
-    self.assertEqual(fingerprints(workdir, 4), want)  # Retrained to the same weights (sync mode is deterministic).
+    # Retrained to the same weights (sync mode is deterministic).
+    self.assertEqual(trainer_helpers.checkpoint_fingerprints(workdir, 4), want)
     self.assertEqual(steps_of(workdir), [1, 2, 3, 4])
 
   def test_no_intact_checkpoint_is_one_error_and_nothing_is_moved(self):
