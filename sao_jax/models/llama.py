@@ -6,7 +6,7 @@ Architecture (pre-norm): for each of L blocks,
   MLP(x) = (silu(x W_gate) * (x W_up)) W_down                                   (SwiGLU),
   Attn: q = x Wq (+bq), k = x Wk (+bk), v = x Wv (+bv); optional RMSNorm over head_dim on q, k (Qwen3);
         RoPE on q, k; grouped-query attention (N query heads share K key/value heads);
-        softmax(q k^T / sqrt(H) + mask) v, then Wo.
+        softmax(q k^T / sqrt(H) + mask) v (causal, within a segment: `sao_jax.models.attention`), then Wo.
 
 Parameters are stored in `cfg.param_dtype` (float32 or bfloat16) and cast to `cfg.dtype` at use; norms, softmax
 and logits are float32. Blocks are stacked along a leading 'layers' axis (one `nnx.vmap`-created `Block`) and run
@@ -53,12 +53,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sao_jax.models import attention
 from sao_jax.models import decode
 from sao_jax.models.config import REMAT_POLICIES, ModelConfig
 from sao_jax.models.layers import apply_rope, default_positions, rms_norm, rope_inv_freq, rope_tables
 
 Array = jax.Array
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # Finite "minus infinity" (no NaN on fully masked rows).
 
 
 def _dtype(name: str) -> jnp.dtype:
@@ -110,8 +110,8 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(h, cfg.norm_eps, param_dtype=pd)
     self.cfg = cfg
 
-  def __call__(self, x: Array, cos: Array, sin: Array, mask: Array) -> Array:
-    """x [B, T, D], cos/sin [B, T, H/2], mask bool [B, T, T] (query, key) -> [B, T, D]."""
+  def __call__(self, x: Array, cos: Array, sin: Array, segment_ids: Array) -> Array:
+    """x [B, T, D], cos/sin [B, T, H/2], segment_ids int [B, T] (`attention.attention`) -> [B, T, D]."""
     cfg = self.cfg
     dt = x.dtype
     q = jnp.einsum('btd,dnh->btnh', x, self.q_proj[...].astype(dt))
@@ -126,27 +126,9 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     b, t = q.shape[:2]
     q = q.reshape(b, t, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim)
-    if cfg.attention_chunk and t > cfg.attention_chunk:
-      # Causal without cache: query block [i0, i1) only needs keys [0, i1); skipping the blocks above the
-      # diagonal halves the work (and the softmax traffic) at long T. Same result as the full version.
-      c = max(cfg.attention_chunk, -(-t // 16))  # At most 16 blocks (bounded program size).
-      outs = []
-      for i0 in range(0, t, c):
-        i1 = min(i0 + c, t)
-        outs.append(_attend(q[:, i0:i1], k[:, :i1], v[:, :i1], mask[:, i0:i1, :i1], cfg.head_dim))
-      out = jnp.concatenate(outs, axis=1)
-    else:
-      out = _attend(q, k, v, mask, cfg.head_dim)
+    out = attention.attention(q, k, v, segment_ids, chunk=cfg.attention_chunk)
     out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
     return jnp.einsum('btnh,nhd->btd', out, self.o_proj[...].astype(dt))
-
-
-def _attend(q: Array, k: Array, v: Array, mask: Array, head_dim: int) -> Array:
-  """softmax(q k^T / sqrt(H) masked) v: q [B,T,K,G,H], k/v [B,S,K,H], mask bool [B,T,S] -> [B,T,K,G,H]."""
-  scores = jnp.einsum('btkgh,bskh->bkgts', q, k, preferred_element_type=jnp.float32) * (head_dim ** -0.5)
-  scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-  return jnp.einsum('bkgts,bskh->btkgh', probs, v)
 
 
 class MLP(nnx.Module):
@@ -212,8 +194,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, param_dtype=pd)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, h, cos, sin, mask):
-    h = h + self.attn(self.attn_norm(h), cos, sin, mask)
+  def __call__(self, h, cos, sin, segment_ids):
+    h = h + self.attn(self.attn_norm(h), cos, sin, segment_ids)
     return h + self.mlp(self.mlp_norm(h))
 
 
@@ -255,7 +237,8 @@ class Decoder(nnx.Module):
     return decode.init_cache(self.cfg, batch_size, max_len, dtype)
 
   def __call__(self, tokens: Array, *, positions: Array | None = None, attention_mask: Array | None = None,
-               cache: decode.DecodeCache | None = None, return_hidden: bool = False):
+               segment_ids: Array | None = None, cache: decode.DecodeCache | None = None,
+               return_hidden: bool = False):
     """Runs the decoder.
 
     Args:
@@ -264,6 +247,9 @@ class Decoder(nnx.Module):
         from `cache.positions`).
       attention_mask: bool[B, T], False on padding tokens (right- or left-padding). Without a cache,
         query t attends to keys s <= t with attention_mask[b, s]; with a cache, see `sao_jax.models.decode`.
+      segment_ids: int[B, T], without a cache only: sequences packed into a row (`attention.attention`): a
+        token attends within its segment, positions restart at 0 at each segment's first token
+        (`segment_positions`). Excludes `attention_mask` (which is segment ids 1 on real tokens, 0 on padding).
       cache: a `decode.DecodeCache` to write this chunk into and attend over (prefill, decode or continuation).
       return_hidden: also return the final-norm hidden states [B, T, D] (compute dtype).
 
@@ -272,10 +258,12 @@ class Decoder(nnx.Module):
       With cache: (logits, new_cache), or (logits, hidden, new_cache) with return_hidden.
     """
     if cache is None:
-      hidden = self._forward(tokens, positions, attention_mask)
+      hidden = self._forward(tokens, positions, attention_mask, segment_ids)
       logits = self.logits_from_hidden(hidden)
       return (logits, hidden) if return_hidden else logits
     chex.assert_rank(tokens, 2)
+    if segment_ids is not None:
+      raise ValueError('segment_ids (packed sequences) are for the uncached forward pass only.')
     if cache.batch_size != tokens.shape[0]:
       raise ValueError(f'cache batch size {cache.batch_size} != tokens batch size {tokens.shape[0]}.')
     valid = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask
@@ -284,10 +272,10 @@ class Decoder(nnx.Module):
     logits = self.logits_from_hidden(hidden)
     return (logits, hidden, new_cache) if return_hidden else (logits, new_cache)
 
-  def hidden(self, tokens: Array, *, positions: Array | None = None,
-             attention_mask: Array | None = None) -> Array:
-    """Final-norm hidden states [B, T, D] (compute dtype), without the lm head."""
-    return self._forward(tokens, positions, attention_mask)
+  def hidden(self, tokens: Array, *, positions: Array | None = None, attention_mask: Array | None = None,
+             segment_ids: Array | None = None) -> Array:
+    """Final-norm hidden states [B, T, D] (compute dtype), without the lm head (arguments as `__call__`)."""
+    return self._forward(tokens, positions, attention_mask, segment_ids)
 
   def unembedding(self) -> tuple[Array, str]:
     """The lm-head weight and its einsum layout: (E [V, D], 'vd') when tied, else (W [D, V], 'dv')."""
@@ -304,33 +292,40 @@ class Decoder(nnx.Module):
 
   # ---- Internals.
 
-  def _forward(self, tokens: Array, positions: Array | None, attention_mask: Array | None) -> Array:
+  def _forward(self, tokens: Array, positions: Array | None, attention_mask: Array | None,
+               segment_ids: Array | None) -> Array:
     """Final-norm hidden states [B, T, D] of the plain (uncached) causal forward pass."""
     cfg = self.cfg
     chex.assert_rank(tokens, 2)
     b, t = tokens.shape
-    if attention_mask is not None:
-      chex.assert_shape(attention_mask, (b, t))
-      attention_mask = attention_mask.astype(bool)
-    if positions is None:
-      positions = default_positions(attention_mask, b, t)
+    if segment_ids is not None:
+      if attention_mask is not None:
+        raise ValueError('Pass attention_mask or segment_ids, not both.')
+      chex.assert_shape(segment_ids, (b, t))
+      segment_ids = segment_ids.astype(jnp.int32)
+      if positions is None:
+        positions = segment_positions(segment_ids)
+    else:
+      if attention_mask is not None:
+        chex.assert_shape(attention_mask, (b, t))
+        attention_mask = attention_mask.astype(bool)
+      if positions is None:
+        positions = default_positions(attention_mask, b, t)
+      segment_ids = (jnp.ones((b, t), jnp.int32) if attention_mask is None
+                     else attention_mask.astype(jnp.int32))
     chex.assert_shape(positions, (b, t))
     positions = positions.astype(jnp.int32)
     h = rows_split(jnp.take(self.embed.embedding[...], tokens, axis=0).astype(_dtype(cfg.dtype)))
     cos, sin = rope_tables(positions, rope_inv_freq(cfg))
-    mask = jnp.tril(jnp.ones((t, t), bool))[None]
-    if attention_mask is not None:
-      mask = mask & attention_mask[:, None, :]
-    mask = jnp.broadcast_to(mask, (b, t, t))
-    return self.final_norm(self._run_layers(h, cos, sin, mask))
+    return self.final_norm(self._run_layers(h, cos, sin, segment_ids))
 
-  def _run_layers(self, h, cos, sin, mask):
+  def _run_layers(self, h, cos, sin, segment_ids):
     """Applies the L stacked blocks (`lax.scan`, or unrolled with `cfg.scan_layers=False`)."""
     cfg = self.cfg
     graphdef, params = nnx.split(self.layers)
 
     def body(h, layer_params):
-      return rows_split(nnx.merge(graphdef, layer_params)(h, cos, sin, mask)), None
+      return rows_split(nnx.merge(graphdef, layer_params)(h, cos, sin, segment_ids)), None
 
     if cfg.remat != 'none':
       body = jax.checkpoint(body, policy=remat_policy_fn(cfg.remat), prevent_cse=not cfg.scan_layers)
@@ -339,6 +334,15 @@ class Decoder(nnx.Module):
     for i in range(cfg.num_layers):
       h, _ = body(h, jax.tree.map(lambda x, i=i: x[i], params))
     return h
+
+
+def segment_positions(segment_ids: Array) -> Array:
+  """RoPE positions restarting at 0 at the first token of each run of equal segment ids: int32 [B, T]."""
+  t = segment_ids.shape[-1]
+  idx = jnp.arange(t, dtype=jnp.int32)
+  starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
+                           axis=1)
+  return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
 
 
 def rows_split(x: Array) -> Array:

@@ -93,14 +93,17 @@ def logprobs_from_hidden(hidden: Array, unembedding: Array, layout: str, tokens:
 
 
 def token_logprobs(model: Decoder, tokens: Array, *, positions: Array | None = None,
-                   attention_mask: Array | None = None, temperature: float = 1.0, chunk_size: int = 128,
+                   attention_mask: Array | None = None, segment_ids: Array | None = None,
+                   temperature: float = 1.0, chunk_size: int = 128,
                    return_entropy: bool = False) -> Array | tuple[Array, Array]:
   """log pi(tokens[b, t] | tokens[b, :t]) under `model` (DESIGN alignment, out[:, 0] = 0), float32 [B, T].
 
   Differentiable (use inside `nnx.grad`); memory-light (see the module docstring). Positions after the
-  last real token of a right-padded row hold garbage log-probs: mask them with the action mask.
+  last real token of a right-padded row hold garbage log-probs: mask them with the action mask. With
+  `segment_ids` (packed rows) the first token of each segment is conditioned on nothing of the previous one,
+  so its log-prob is garbage too (it is a prompt token, never an action).
   """
-  hidden = model.hidden(tokens, positions=positions, attention_mask=attention_mask)
+  hidden = model.hidden(tokens, positions=positions, attention_mask=attention_mask, segment_ids=segment_ids)
   w, layout = model.unembedding()
   return logprobs_from_hidden(hidden, w, layout, tokens, temperature=temperature, chunk_size=chunk_size,
                               return_entropy=return_entropy)

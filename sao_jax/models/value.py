@@ -48,11 +48,12 @@ class ValueModel(nnx.Module):
     self.backbone = Decoder(cfg, rngs=rngs, lm_head=False)
     self.head = ValueHead(cfg)
 
-  def __call__(self, tokens: Array, *, positions: Array | None = None,
-               attention_mask: Array | None = None) -> Array:
+  def __call__(self, tokens: Array, *, positions: Array | None = None, attention_mask: Array | None = None,
+               segment_ids: Array | None = None) -> Array:
     """Aligned values float32 [B, T]: values[:, t] = head(hidden[:, t-1]), values[:, 0] = 0."""
     chex.assert_rank(tokens, 2)
-    hidden = self.backbone.hidden(tokens, positions=positions, attention_mask=attention_mask)
+    hidden = self.backbone.hidden(tokens, positions=positions, attention_mask=attention_mask,
+                                  segment_ids=segment_ids)
     v = self.head(hidden)
     return jnp.pad(v[:, :-1], ((0, 0), (1, 0)))
 
