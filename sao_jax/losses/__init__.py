@@ -8,6 +8,7 @@ from sao_jax.losses.advantages import adaptive_lambda
 from sao_jax.losses.advantages import broadcast_to_tokens
 from sao_jax.losses.advantages import default_gae_impl
 from sao_jax.losses.advantages import group_advantages
+from sao_jax.losses.advantages import group_advantages_by_id
 from sao_jax.losses.advantages import leave_one_out_advantages
 from sao_jax.losses.advantages import skip_observation_gae
 from sao_jax.losses.advantages import skip_observation_gae_scan
@@ -17,6 +18,8 @@ from sao_jax.losses.common import aggregate
 from sao_jax.losses.common import aggregate_count
 from sao_jax.losses.common import clamp_log_ratio
 from sao_jax.losses.common import masked_mean
+from sao_jax.losses.common import sequence_sum
+from sao_jax.losses.common import sequence_to_tokens
 from sao_jax.losses.kl import entropy_from_logits
 from sao_jax.losses.kl import kl_estimate
 from sao_jax.losses.kl import masked_kl

@@ -22,6 +22,11 @@ and composing affine maps `x -> a x + b` is associative, so both run as `jax.lax
 O(log T) depth (impl='associative', the accelerator default). impl='blocked' (the CPU default) solves them
 sequentially inside short blocks, all blocks at once, then across blocks, tile by tile.
 `skip_observation_gae_scan` is the plain sequential reference (impl='scan').
+
+Packed rows (`segment_ids`, several trajectories in one row): each segment is its own chain, with its own lambda
+and bootstrap. At the last token `e` of a segment the carried chains restart, `w_e <- bootstrap of the segment`
+and `u_e <- 0` before step e (`a_e = 0` in the affine form), so no TD step and no advantage crosses a boundary.
+A row without segment ids is one segment ending at T - 1 (the bootstrap enters there).
 """
 
 from __future__ import annotations
@@ -40,30 +45,49 @@ GaeImpl = Literal['auto', 'associative', 'scan', 'blocked']
 GAE_IMPLS = ('auto', 'associative', 'scan', 'blocked')
 
 
-def _prepare(rewards, values, action_mask, gamma, lam, bootstrap):
-  """Validates shapes; returns float32 (r, v, bool m, gamma, lam[B], bootstrap[B]), all stop-gradient'ed."""
+def _per_sequence(x, name, b, segment_ids, num_segments, fill):
+  """A scalar, `[B]` (rows) or, with segment ids, `[B, S]` (segments) -> float32 per token `[B, T]`."""
+  x = lax.stop_gradient(jnp.asarray(fill if x is None else x, jnp.float32))
+  if x.ndim == 0:
+    return x
+  if segment_ids is None:
+    if x.shape != (b,):
+      raise ValueError(f'{name} must be a scalar or a [B]={b} array, got shape {x.shape}')
+    return x[:, None]
+  if x.shape != (b, num_segments):
+    raise ValueError(f'{name} must be a scalar or a [B, S]=({b}, {num_segments}) array with segment_ids, got '
+                     f'shape {x.shape}')
+  return common.sequence_to_tokens(x, segment_ids)
+
+
+def _prepare(rewards, values, action_mask, gamma, lam, bootstrap, segment_ids=None):
+  """Validates shapes; returns float32 (r, v, bool m, gamma, lam [B, T], bootstrap [B, T], ends bool [B, T]),
+  all stop-gradient'ed. `ends[b, t]`: t is the last token of its segment (always at T - 1); `bootstrap[b, t]`
+  is the value after the segment's last action, read where `ends`; `lam[b, t]` the lambda of t's sequence."""
   chex.assert_rank([rewards, values, action_mask], 2)
   chex.assert_equal_shape([rewards, values, action_mask])
   chex.assert_type(values, float)
-  b, _ = rewards.shape
+  b, t = rewards.shape
   r = lax.stop_gradient(jnp.asarray(rewards, jnp.float32))
   v = lax.stop_gradient(jnp.asarray(values, jnp.float32))
   m = jnp.asarray(action_mask) != 0
-  lam = lax.stop_gradient(jnp.asarray(lam, jnp.float32))
-  if lam.ndim == 0:
-    lam = jnp.broadcast_to(lam, (b,))
-  elif lam.shape != (b,):
-    raise ValueError(f'lam must be a scalar or a [B]={b} array, got shape {lam.shape}')
   gamma = lax.stop_gradient(jnp.asarray(gamma, jnp.float32))
   if gamma.ndim != 0:
     raise ValueError(f'gamma must be a scalar, got shape {gamma.shape}')
-  if bootstrap is None:
-    boot = jnp.zeros((b,), jnp.float32)
+  num_segments = 1
+  if segment_ids is not None:
+    chex.assert_equal_shape([rewards, segment_ids])
+    segment_ids = jnp.asarray(segment_ids, jnp.int32)
+    shapes = [jnp.shape(x) for x in (lam, bootstrap) if x is not None and jnp.ndim(x) == 2]
+    num_segments = shapes[0][1] if shapes else 1
+  lam = jnp.broadcast_to(_per_sequence(lam, 'lam', b, segment_ids, num_segments, 0.0), (b, t))
+  boot = jnp.broadcast_to(_per_sequence(bootstrap, 'bootstrap', b, segment_ids, num_segments, 0.0), (b, t))
+  last = jnp.arange(t) == t - 1
+  if segment_ids is None:
+    ends = jnp.broadcast_to(last, (b, t))
   else:
-    boot = lax.stop_gradient(jnp.asarray(bootstrap, jnp.float32))
-    if boot.shape != (b,):
-      raise ValueError(f'bootstrap must be None or a [B]={b} array, got shape {boot.shape}')
-  return r, v, m, gamma, lam, boot
+    ends = jnp.concatenate([segment_ids[:, 1:] != segment_ids[:, :-1], jnp.ones((b, 1), bool)], axis=1)
+  return r, v, m, gamma, lam, boot, ends
 
 
 def _finish(adv, v, m):
@@ -75,24 +99,27 @@ def _finish(adv, v, m):
 
 def skip_observation_gae_scan(rewards: jax.Array, values: jax.Array, action_mask: jax.Array, *,
                               gamma: float | jax.Array, lam: float | jax.Array,
-                              bootstrap: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                              bootstrap: jax.Array | None = None,
+                              segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Skip-observation GAE with a reverse `lax.scan` over time: the readable reference.
 
-  Walks t = T-1 .. 0 carrying, per row, the value of the next action token (`next_v`, initially the
-  bootstrap) and its advantage (`next_a`, initially 0). At an action token:
+  Walks t = T-1 .. 0 carrying, per row, the value of the next action token (`next_v`) and its advantage
+  (`next_a`); at the last token of a segment (of the row) they restart at (bootstrap, 0). At an action token:
   `A_t = r_t + gamma next_v - V_t + gamma lam next_a`, then `next_v, next_a = V_t, A_t`; observation tokens
   leave the carry unchanged. Same contract as `skip_observation_gae`.
   """
-  r, v, m, gamma, lam, boot = _prepare(rewards, values, action_mask, gamma, lam, bootstrap)
-  gl = gamma * lam
+  r, v, m, gamma, lam, boot, ends = _prepare(rewards, values, action_mask, gamma, lam, bootstrap, segment_ids)
 
   def step(carry, x):
     next_v, next_a = carry
-    r_t, v_t, m_t = x
-    a_t = r_t + gamma * next_v - v_t + gl * next_a
+    r_t, v_t, m_t, lam_t, boot_t, end_t = x
+    next_v = jnp.where(end_t, boot_t, next_v)
+    next_a = jnp.where(end_t, 0.0, next_a)
+    a_t = r_t + gamma * next_v - v_t + gamma * lam_t * next_a
     return (jnp.where(m_t, v_t, next_v), jnp.where(m_t, a_t, next_a)), a_t
 
-  _, adv = lax.scan(step, (boot, jnp.zeros_like(boot)), (r.T, v.T, m.T), reverse=True)
+  zeros = jnp.zeros((r.shape[0],), jnp.float32)
+  _, adv = lax.scan(step, (zeros, zeros), (r.T, v.T, m.T, lam.T, boot.T, ends.T), reverse=True)
   return _finish(adv.T, v, m)
 
 
@@ -114,7 +141,7 @@ def _linear_recurrence_associative(a: jax.Array, b: jax.Array, init: jax.Array) 
   return q + p * init[:, None]
 
 
-def _gae_blocked_tile(r, v, m, gamma, lam, next_v, next_a, block):
+def _gae_blocked_tile(r, v, m, gamma, lam, boot, ends, next_v, next_a, block):
   """Skip-observation GAE of one `[B, T]` tile given what follows it, in one pass over short blocks.
 
   `next_v` / `next_a` `[B]` are the value and advantage of the first action token after the tile (bootstrap
@@ -126,6 +153,8 @@ def _gae_blocked_tile(r, v, m, gamma, lam, next_v, next_a, block):
     `u_t = ul_t + C_t W + P2_t U`               (ul, C: the advantage chain over dl and gamma P1_{t+1};
                                                  P2_t = gl^(action tokens in [t, block end)))
   A scan over the nb blocks (last first) then finds each block's W, U, and one elementwise pass applies them.
+  At a segment's last token (`ends`) the local chains restart from known values (W = its bootstrap, U = 0), so
+  they stop depending on what lies to the right: `wl = boot, ul = 0, P1 = C = P2 = 0`.
 
   Returns:
     `(adv, w_start, u_start)`: adv `[B, T]` (valid at action tokens) and the two chains at the tile's first
@@ -135,17 +164,17 @@ def _gae_blocked_tile(r, v, m, gamma, lam, next_v, next_a, block):
   nb = -(-t // block)
   pad = nb * block - t
   if pad:  # Padded tokens are observations: they pass the chains through unchanged.
-    r, v, m = (jnp.pad(x, ((0, 0), (0, pad))) for x in (r, v, m))
+    r, v, m, lam, boot, ends = (jnp.pad(x, ((0, 0), (0, pad))) for x in (r, v, m, lam, boot, ends))
 
   def time_major(x):  # [B, nb * L] -> [L, B, nb]
     return jnp.transpose(x.reshape(bsz, nb, block), (2, 0, 1))
 
-  gl = (gamma * lam)[:, None]  # [B, 1] against [B, nb] slabs.
-
   def inner(carry, x):  # Carries hold the local chains at t + 1.
     wl, p1, ul, c, p2 = carry
-    r_t, v_t, m_t = x
-    a_t = jnp.where(m_t, gl, 1.0)
+    r_t, v_t, m_t, lam_t, boot_t, end_t = x
+    wl, ul = jnp.where(end_t, boot_t, wl), jnp.where(end_t, 0.0, ul)
+    p1, c, p2 = (jnp.where(end_t, 0.0, y) for y in (p1, c, p2))
+    a_t = jnp.where(m_t, gamma * lam_t, 1.0)
     ul = a_t * ul + jnp.where(m_t, r_t + gamma * wl - v_t, 0.0)
     c = a_t * c + jnp.where(m_t, gamma * p1, 0.0)
     p2 = a_t * p2
@@ -156,7 +185,8 @@ def _gae_blocked_tile(r, v, m, gamma, lam, next_v, next_a, block):
   zeros = jnp.zeros((bsz, nb), jnp.float32)
   ones = jnp.ones_like(zeros)
   (wl0, p10, ul0, c0, p20), (ul, c, p2) = lax.scan(
-      inner, (zeros, ones, zeros, zeros, ones), (time_major(r), time_major(v), time_major(m)), reverse=True)
+      inner, (zeros, ones, zeros, zeros, ones), tuple(time_major(x) for x in (r, v, m, lam, boot, ends)),
+      reverse=True)
 
   def across(carry, x):  # Carries: W, U at the start of block j + 1; emits them as block j's right side.
     w_right, u_right = carry
@@ -172,38 +202,42 @@ def _gae_blocked_tile(r, v, m, gamma, lam, next_v, next_a, block):
   return adv, w_start, u_start
 
 
-def _gae_blocked(r, v, m, gamma, lam, boot, block, tile):
+def _gae_blocked(r, v, m, gamma, lam, boot, ends, block, tile):
   """Blocked skip-observation GAE over tiles of `tile` time steps, last tile first (a short scan).
 
   Tiles keep the layout changes of `_gae_blocked_tile` inside the cache; the carry between tiles is the value
-  and advantage of the next action token. `tile` <= 0 or >= T: one tile.
+  and advantage of the next action token (zeros after the last tile: its last token ends a segment, where the
+  bootstrap enters). `tile` <= 0 or >= T: one tile.
   """
   bsz, t = r.shape
+  zeros = jnp.zeros((bsz,), jnp.float32)
   if tile <= 0 or tile >= t:
-    return _gae_blocked_tile(r, v, m, gamma, lam, boot, jnp.zeros_like(boot), block)[0]
+    return _gae_blocked_tile(r, v, m, gamma, lam, boot, ends, zeros, zeros, block)[0]
   n = -(-t // tile)
   pad = n * tile - t
   if pad:
-    r, v, m = (jnp.pad(x, ((0, 0), (0, pad))) for x in (r, v, m))
+    r, v, m, lam, boot, ends = (jnp.pad(x, ((0, 0), (0, pad))) for x in (r, v, m, lam, boot, ends))
 
   def tiles(x):  # [B, n * tile] -> [n, B, tile]: moves contiguous runs of `tile` elements.
     return jnp.transpose(x.reshape(bsz, n, tile), (1, 0, 2))
 
   def step(carry, x):
-    adv, w0, u0 = _gae_blocked_tile(*x, gamma, lam, *carry, block)
+    r_i, v_i, m_i, lam_i, boot_i, ends_i = x
+    adv, w0, u0 = _gae_blocked_tile(r_i, v_i, m_i, gamma, lam_i, boot_i, ends_i, *carry, block)
     return (w0, u0), adv
 
-  _, adv = lax.scan(step, (boot, jnp.zeros_like(boot)), (tiles(r), tiles(v), tiles(m)), reverse=True)
+  _, adv = lax.scan(step, (zeros, zeros), tuple(tiles(x) for x in (r, v, m, lam, boot, ends)), reverse=True)
   return jnp.transpose(adv, (1, 0, 2)).reshape(bsz, n * tile)[:, :t]
 
 
-def _gae_via_recurrences(r, v, m, gamma, lam, boot, recurrence):
-  """Skip-observation GAE as two linear recurrences (see module docstring)."""
-  w = recurrence(jnp.where(m, 0.0, 1.0), jnp.where(m, v, 0.0), boot)
-  next_v = jnp.concatenate([w[:, 1:], boot[:, None]], axis=1)
+def _gae_via_recurrences(r, v, m, gamma, lam, boot, ends, recurrence):
+  """Skip-observation GAE as two linear recurrences (see module docstring); a segment's last token restarts
+  both (`a = 0`, the bootstrap entering the value chain there)."""
+  zeros = jnp.zeros((r.shape[0],), jnp.float32)
+  w = recurrence(jnp.where(m | ends, 0.0, 1.0), jnp.where(m, v, jnp.where(ends, boot, 0.0)), zeros)
+  next_v = jnp.where(ends, boot, jnp.concatenate([w[:, 1:], zeros[:, None]], axis=1))
   delta = r + gamma * next_v - v
-  gl = (gamma * lam)[:, None]
-  u = recurrence(jnp.where(m, gl, 1.0), jnp.where(m, delta, 0.0), jnp.zeros_like(boot))
+  u = recurrence(jnp.where(ends, 0.0, jnp.where(m, gamma * lam, 1.0)), jnp.where(m, delta, 0.0), zeros)
   return _finish(u, v, m)
 
 
@@ -221,10 +255,12 @@ def default_gae_impl(backend: str | None = None) -> str:
 def skip_observation_gae(rewards: jax.Array, values: jax.Array, action_mask: jax.Array, *,
                          gamma: float | jax.Array, lam: float | jax.Array,
                          bootstrap: jax.Array | None = None, impl: GaeImpl = 'auto',
-                         block: int = 8, tile: int = 1024) -> tuple[jax.Array, jax.Array]:
-  """Skip-observation GAE over the action tokens of each row (docs/design.md contract).
+                         block: int = 8, tile: int = 1024,
+                         segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Skip-observation GAE over the action tokens of each sequence (docs/design.md contract).
 
-  For the action positions `i_1 < ... < i_n` of a row (observation tokens are skipped):
+  A sequence is a row, or with `segment_ids` each segment of a packed row. For the action positions
+  `i_1 < ... < i_n` of a sequence (observation tokens are skipped):
   `delta_k = r[i_k] + gamma V[i_{k+1}] - V[i_k]` with `V[i_{n+1}]` = bootstrap (0 when None: terminal),
   `A_k = delta_k + gamma lam A_{k+1}` (`A_{n+1} = 0`), `returns_k = A_k + V[i_k]`.
 
@@ -233,14 +269,18 @@ def skip_observation_gae(rewards: jax.Array, values: jax.Array, action_mask: jax
     values: `[B, T]` critic values, aligned with the tokens.
     action_mask: `[B, T]` bool / 0-1, True where the policy generated the token.
     gamma: discount (scalar).
-    lam: GAE lambda, a scalar or a per-row `[B]` array (e.g. `adaptive_lambda`).
-    bootstrap: `[B]` value after the last action of each row (truncated episodes), or None (terminal).
+    lam: GAE lambda, a scalar, a per-row `[B]` array, or with `segment_ids` a per-segment `[B, S]` one (e.g.
+      `adaptive_lambda`).
+    bootstrap: value after the last action of each row `[B]` (or segment, `[B, S]`) for truncated episodes, 0
+      for a terminal one; None = all terminal.
     impl: 'associative' (`lax.associative_scan`, O(log T) depth), 'scan' (sequential `lax.scan`),
       'blocked' (sequential inside blocks of `block` steps, all blocks at once, then across blocks), or
       'auto' = `default_gae_impl()` for the current backend. Static.
     block: block length of impl='blocked' (static).
     tile: impl='blocked' works through the time axis in tiles of this many steps, last first (static;
       <= 0 = one tile). Tiles keep its layout changes in cache.
+    segment_ids: int `[B, T]`, the trajectories packed into each row (1..S in order, 0 = padding; each
+      segment one contiguous run), or None: one sequence per row.
 
   Returns:
     `(advantages, returns)`, float32 `[B, T]`, 0 outside the action mask, with no gradient.
@@ -250,34 +290,39 @@ def skip_observation_gae(rewards: jax.Array, values: jax.Array, action_mask: jax
   if impl == 'auto':
     impl = default_gae_impl()
   if impl == 'scan':
-    return skip_observation_gae_scan(rewards, values, action_mask, gamma=gamma, lam=lam, bootstrap=bootstrap)
-  r, v, m, gamma, lam, boot = _prepare(rewards, values, action_mask, gamma, lam, bootstrap)
+    return skip_observation_gae_scan(rewards, values, action_mask, gamma=gamma, lam=lam, bootstrap=bootstrap,
+                                     segment_ids=segment_ids)
+  r, v, m, gamma, lam, boot, ends = _prepare(rewards, values, action_mask, gamma, lam, bootstrap, segment_ids)
   if impl == 'associative':
-    rec = _linear_recurrence_associative
-    return _gae_via_recurrences(r, v, m, gamma, lam, boot, rec)
+    return _gae_via_recurrences(r, v, m, gamma, lam, boot, ends, _linear_recurrence_associative)
   if not isinstance(block, int) or block < 1:
     raise ValueError(f'block must be a positive int, got {block!r}')
   if not isinstance(tile, int):
     raise ValueError(f'tile must be an int, got {tile!r}')
-  return _finish(_gae_blocked(r, v, m, gamma, lam, boot, block, tile), v, m)
+  return _finish(_gae_blocked(r, v, m, gamma, lam, boot, ends, block, tile), v, m)
 
 
-def adaptive_lambda(action_mask: jax.Array, alpha: float | jax.Array = 1.5) -> jax.Array:
-  """Length-adaptive GAE lambda of SAO: `lam_b = clip(1 - 1 / (alpha * l_b), 0, 1)`.
+def adaptive_lambda(action_mask: jax.Array, alpha: float | jax.Array = 1.5, segment_ids: jax.Array | None = None,
+                    num_segments: int = 1) -> jax.Array:
+  """Length-adaptive GAE lambda of SAO: `lam_q = clip(1 - 1 / (alpha * l_q), 0, 1)`.
 
-  `l_b` = number of action tokens of row b. A row without action tokens gets 0 (its lambda is unused).
+  `l_q` = number of action tokens of trajectory q: row b, or with `segment_ids` segment s of row b. One
+  without action tokens gets 0 (its lambda is unused).
 
   Args:
     action_mask: `[B, T]`.
     alpha: the scale alpha (> 0), SAO uses 1.5.
+    segment_ids: `[B, T]` int, packed trajectories (1..S, 0 = padding), or None.
+    num_segments: S (static).
 
   Returns:
-    float32 `[B]`.
+    float32 `[B]`, or `[B, S]` with segment ids.
   """
   chex.assert_rank(action_mask, 2)
-  n = common.masked_sum(jnp.ones(action_mask.shape, jnp.float32), action_mask, axis=1)
+  n = common.sequence_sum(common.as_float_mask(action_mask), segment_ids, num_segments)
   lam = 1.0 - 1.0 / (jnp.asarray(alpha, jnp.float32) * jnp.maximum(n, 1.0))
-  return jnp.where(n > 0, jnp.clip(lam, 0.0, 1.0), 0.0)
+  lam = jnp.where(n > 0, jnp.clip(lam, 0.0, 1.0), 0.0)
+  return lam[:, 0] if segment_ids is None else lam
 
 
 def action_span_mask(action_mask: jax.Array) -> jax.Array:
@@ -346,6 +391,47 @@ def leave_one_out_advantages(rewards: jax.Array) -> jax.Array:
     raise ValueError(f'leave-one-out needs a group size G >= 2, got rewards of shape {rewards.shape}')
   r = lax.stop_gradient(jnp.asarray(rewards, jnp.float32))
   return (r - _group_mean(r)) * (g / (g - 1))
+
+
+def group_advantages_by_id(rewards: jax.Array, group_ids: jax.Array, valid: jax.Array, *,
+                           baseline: str = 'mean', std_normalize: bool = True, eps: float = 1e-6) -> jax.Array:
+  """Group-relative advantages of trajectories laid out in any order (packed rows): group = equal `group_ids`.
+
+  For trajectory i with group `g_i = {j valid : id_j = id_i}` of size G_i:
+    - baseline 'mean':          `A_i = (R_i - mean_g R) / (std_g R + eps)` (std with Bessel's correction, 0 for
+      G_i = 1) or, `std_normalize=False`, `R_i - mean_g R` (Dr.GRPO);
+    - baseline 'leave_one_out': `A_i = R_i - (1/(G_i - 1)) sum_{j in g, j != i} R_j` (RLOO; 0 for G_i = 1).
+  The centred reward is computed as `-(1/G_i) sum_j (R_j - R_i)`: exactly 0 when a group's rewards are equal.
+  Same values as `group_advantages` / `leave_one_out_advantages` on contiguous groups. Invalid entries get 0.
+
+  Args:
+    rewards, group_ids, valid: any equal shapes (e.g. `[B, S]`): reward, group id, 1 for a real trajectory.
+    baseline: 'mean' or 'leave_one_out' (static).
+    std_normalize: divide by the group's std ('mean' only; static).
+    eps: added to the std.
+
+  Returns:
+    float32, the shape of `rewards`.
+  """
+  chex.assert_equal_shape([rewards, group_ids, valid])
+  shape = jnp.shape(rewards)
+  r = lax.stop_gradient(jnp.asarray(rewards, jnp.float32)).reshape(-1)
+  g = jnp.asarray(group_ids).reshape(-1)
+  ok = (jnp.asarray(valid) != 0).reshape(-1)
+  same = ((g[:, None] == g[None, :]) & ok[:, None] & ok[None, :]).astype(jnp.float32)  # [N, N]
+  count = jnp.maximum(jnp.sum(same, axis=1), 1.0)
+  centered = -jnp.sum(same * (r[None, :] - r[:, None]), axis=1) / count
+  if baseline == 'leave_one_out':
+    adv = centered * count / jnp.maximum(count - 1.0, 1.0)
+  elif baseline == 'mean':
+    adv = centered
+    if std_normalize:
+      dev = r[None, :] - (r - centered)[:, None]
+      std = jnp.sqrt(jnp.sum(same * jnp.square(dev), axis=1) / jnp.maximum(count - 1.0, 1.0))
+      adv = centered / (std + eps)
+  else:
+    raise ValueError(f"baseline must be 'mean' or 'leave_one_out', got {baseline!r}")
+  return jnp.where(ok, adv, 0.0).reshape(shape)
 
 
 def broadcast_to_tokens(advantages: jax.Array, action_mask: jax.Array) -> jax.Array:

@@ -48,15 +48,19 @@ def safe_ratio(log_ratio: jax.Array) -> jax.Array:
 # ---- Ratios: (logp, logp_ref, mask) -> r. The clip modes' choice of ratio.
 
 
-def _token_ratio(logp, logp_ref, m):
-  del m
+def _token_ratio(logp, logp_ref, m, segment_ids=None, num_segments=1):
+  del m, segment_ids, num_segments
   return safe_ratio(logp - logp_ref)
 
 
-def _sequence_ratio(logp, logp_ref, m):
-  """GSPO-token: `s_{b,t} = sg(s_b) * pi_t / sg(pi_t)` (value s_b, gradient s_b w.r.t. logp_t), with the
-  geometric-mean sequence ratio `s_b` over the row's action tokens (padding excluded)."""
-  seq_ratio = safe_ratio(common.masked_mean(logp - logp_ref, m, axis=1)[:, None])
+def _sequence_ratio(logp, logp_ref, m, segment_ids=None, num_segments=1):
+  """GSPO-token: `s_{q,t} = sg(s_q) * pi_t / sg(pi_t)` (value s_q, gradient s_q w.r.t. logp_t), with the
+  geometric-mean sequence ratio `s_q` over the action tokens of the token's sequence q (the row, or its segment
+  of a packed row; padding excluded)."""
+  mf = m.astype(jnp.float32)
+  total = common.sequence_sum(jnp.where(m, logp - logp_ref, 0.0), segment_ids, num_segments)
+  count = common.sequence_sum(mf, segment_ids, num_segments)
+  seq_ratio = common.sequence_to_tokens(safe_ratio(total / jnp.maximum(count, 1.0)), segment_ids)
   return lax.stop_gradient(seq_ratio) * jnp.exp(logp - lax.stop_gradient(logp))
 
 
@@ -123,7 +127,8 @@ def policy_loss(logprobs: jax.Array, behavior_logprobs: jax.Array, advantages: j
                 agg: str = 'token_mean', proximal_logprobs: jax.Array | None = None,
                 dual_clip_c: float | jax.Array = 3.0, agg_max_len: int = 0, behavior_correction: str = 'none',
                 tis_cap: float | jax.Array = 2.0, icepop_low: float | jax.Array = 0.5,
-                icepop_high: float | jax.Array = 2.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+                icepop_high: float | jax.Array = 2.0, segment_ids: jax.Array | None = None,
+                num_segments: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Policy loss (to minimise) and scalar metrics; formulas in the module docstring.
 
   Args:
@@ -142,6 +147,9 @@ def policy_loss(logprobs: jax.Array, behavior_logprobs: jax.Array, advantages: j
     tis_cap: cap of the TIS behaviour weight.
     icepop_low: IcePop keeps behaviour weights >= this.
     icepop_high: IcePop keeps behaviour weights <= this.
+    segment_ids: `[B, T]` int, the sequences packed into each row (1..S, 0 = padding), or None (a row is one
+      sequence): what the `seq_mean_*` aggregations and GSPO's sequence ratio take as a sequence.
+    num_segments: S (static).
 
   Returns:
     `(loss, metrics)`: float32 scalar loss; metrics (float32 scalars over action tokens):
@@ -179,7 +187,7 @@ def policy_loss(logprobs: jax.Array, behavior_logprobs: jax.Array, advantages: j
   hi = 1.0 + jnp.asarray(eps_high, jnp.float32)
 
   ratio_fn, surrogate = _CLIP[clip_mode]
-  ratio = ratio_fn(logp, logp_ref, m)
+  ratio = ratio_fn(logp, logp_ref, m, segment_ids, num_segments)
   ratio_sg = lax.stop_gradient(ratio)
   per_token, cut_low, cut_high, metrics = surrogate(ratio, adv, logp, lo, hi, dual_clip_c, m)
 
@@ -190,7 +198,7 @@ def policy_loss(logprobs: jax.Array, behavior_logprobs: jax.Array, advantages: j
     metrics['behavior_weight_mean'] = common.masked_mean(w_used, m)
     metrics['behavior_masked_frac'] = common.masked_mean(dropped.astype(jnp.float32), m)
 
-  loss = common.aggregate(per_token, m, agg, agg_max_len)
+  loss = common.aggregate(per_token, m, agg, agg_max_len, segment_ids, num_segments)
 
   log_ratio_behavior = common.clamp_log_ratio(lax.stop_gradient(logp) - logp_behavior)
   k3 = jnp.exp(log_ratio_behavior) - 1.0 - log_ratio_behavior
