@@ -90,6 +90,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # True / False mean full / none.
   m.remat = ml_collections.FieldReference('none', field_type=object)
   m.critic_remat = ''  # The critic's remat policy (same names; '' = the policy's config.model.remat).
+  # Attention of the learner's forward passes (sao_jax/models/attention.py; same values, different memory): auto
+  # (splash on TPU, flash elsewhere), reference (dense scores: T x T kept for the backward), flash (blocks with an
+  # online softmax, pure JAX), splash (the Pallas TPU kernel).
+  m.attention_impl = 'auto'
   # Precision of float32 matmuls in every program of the run (jax_default_matmul_precision): 'default' is the
   # backend's (one bf16 pass on TPU, TF32 on NVIDIA GPUs: the sampler's and the learner's log-probs of a token then
   # differ in the 4th decimal, as they come from different programs: docs/benchmarks/accelerators.md), 'high'

@@ -189,6 +189,7 @@ FIELDS: dict[str, Check] = {
                          f'is not one of {list(model_config_lib.REMAT_POLICIES)} (or True = full, False = none).'),
     'model.critic_remat': Check(lambda v: v in ('', *model_config_lib.REMAT_POLICIES),
                                 f"is not '' (the policy's remat) or one of {list(model_config_lib.REMAT_POLICIES)}."),
+    'model.attention_impl': _choice(model_config_lib.ATTENTION_IMPLS),
     'model.matmul_precision': _choice(MATMUL_PRECISIONS),
     # ---- sampler
     'sampler.temperature': _bounds(gt=0.0),
@@ -333,9 +334,10 @@ def _check_model(config: ml_collections.ConfigDict) -> model_config_lib.ModelCon
       except (OSError, ValueError) as e:
         raise ConfigError(f'config.model.hf_dir={m.hf_dir!r}: {e}') from e
       model_cfg = model_config_lib.ModelConfig.from_hf_config(hf, dtype=m.dtype, param_dtype=m.param_dtype,
-                                                              remat=m.remat)
+                                                              remat=m.remat, attention_impl=m.attention_impl)
     else:
-      model_cfg = model_config_lib.get_model_config(m.name, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+      model_cfg = model_config_lib.get_model_config(m.name, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+                                                    attention_impl=m.attention_impl)
   except ValueError as e:  # The only override a named config can refuse is the dtype (FIELDS checked the others).
     raise ConfigError(f'config.model.dtype={m.dtype!r} (config.model.name={m.name!r}): {e}') from e
   if m.tokenizer == 'char':

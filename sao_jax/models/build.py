@@ -24,10 +24,10 @@ from sao_jax.models.llama import Decoder
 
 def _overrides(m: Any) -> dict[str, Any]:
   """The `ModelConfig` fields `config.model` sets over a named or HF architecture: the compute `dtype`, the
-  parameters' storage `param_dtype` (an HF checkpoint's weights are cast to it) and the policy's `remat` policy
-  (the old bools too: `models.config.remat_policy`)."""
+  parameters' storage `param_dtype` (an HF checkpoint's weights are cast to it), the policy's `remat` policy
+  (the old bools too: `models.config.remat_policy`) and the `attention_impl`."""
   return {'dtype': str(m.dtype), 'param_dtype': str(getattr(m, 'param_dtype', 'float32')),
-          'remat': getattr(m, 'remat', 'none')}
+          'remat': getattr(m, 'remat', 'none'), 'attention_impl': str(getattr(m, 'attention_impl', 'auto'))}
 
 
 def model_config_of(model_config: Any) -> ModelConfig:

@@ -23,6 +23,11 @@ _ROPE_SCALING_REQUIRED = {  # Keys each type needs (yarn's factor may be None: m
 # 'dots_with_no_batch_dims_saveable' keeps the weight matmuls' outputs (projections, MLP) and recomputes the
 # attention scores and softmax (the batched matmuls: the T x T memory).
 REMAT_POLICIES = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable')
+# Attention of the plain (uncached) forward pass (`sao_jax.models.attention`): 'reference' dense masked scores (a
+# [chunk, T] block per query chunk, T x T kept for the backward), 'flash' blocks with an online softmax and a
+# recomputing backward (pure JAX, any backend, no T x T), 'splash' the Pallas TPU kernel; 'auto' is splash for a
+# TPU program, flash elsewhere.
+ATTENTION_IMPLS = ('auto', 'reference', 'flash', 'splash')
 
 
 def remat_policy(value: Any) -> str:
@@ -71,7 +76,10 @@ class ModelConfig:
       activation memory). The old bools are accepted and stored as names: True -> 'full', False -> 'none'.
     scan_layers: Run the stacked blocks with `lax.scan` (fast compiles) instead of an unrolled loop.
     attention_chunk: Query block of causal attention without a cache (blocks above the diagonal are
-      skipped; 0 = one full [T, T] block). At most 16 blocks are used (the block grows with T).
+      skipped): with 'reference' attention, 0 = one full [T, T] block, at most 16 blocks (the block grows with T);
+      with 'flash', the block of queries and of keys (0 = `attention.FLASH_BLOCK`); splash picks its own.
+    attention_impl: Attention without a cache (`ATTENTION_IMPLS`; the same values, different memory and speed):
+      'auto' (splash on TPU, flash elsewhere), 'reference', 'flash' or 'splash' (TPU only).
     max_position: Longest position the model is meant for (HF `max_position_embeddings`): informative, except as
       the reference length of 'dynamic' RoPE scaling and the default factor of 'yarn' (`rope_inv_freq`).
     name: Name of the config (informative).
@@ -97,6 +105,7 @@ class ModelConfig:
   remat: str = 'none'
   scan_layers: bool = True
   attention_chunk: int = 64
+  attention_impl: str = 'auto'
   max_position: int = 8192
   name: str = ''
 
@@ -110,6 +119,8 @@ class ModelConfig:
                        f'num_kv_heads ({self.num_kv_heads}).')
     if not isinstance(self.attention_chunk, int) or self.attention_chunk < 0:
       raise ValueError(f'ModelConfig.attention_chunk must be an int >= 0, got {self.attention_chunk!r}.')
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f'ModelConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}.')
     if self.head_dim % 2:
       raise ValueError(f'ModelConfig.head_dim must be even for RoPE, got {self.head_dim}.')
     if self.dtype not in DTYPES:

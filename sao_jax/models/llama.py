@@ -126,7 +126,7 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     b, t = q.shape[:2]
     q = q.reshape(b, t, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim)
-    out = attention.attention(q, k, v, segment_ids, chunk=cfg.attention_chunk)
+    out = attention.attention(q, k, v, segment_ids, chunk=cfg.attention_chunk, impl=cfg.attention_impl)
     out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
     return jnp.einsum('btnh,nhd->btd', out, self.o_proj[...].astype(dt))
 
