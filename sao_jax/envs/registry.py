@@ -29,6 +29,7 @@ _BUILTIN_MODULES = {
     'math': 'sao_jax.envs.math_task',
     'drift': 'sao_jax.envs.drift',
     'latency': 'sao_jax.envs.latency',
+    'swe': 'sao_jax.envs.swe',
 }
 
 
