@@ -32,8 +32,11 @@ def config_names() -> list[str]:
 
 
 # Per-config additions to the tiny override: drift switches its rule every learner step, so the rows show the
-# trainer driving a step-scheduled task (`Task.set_step`) and logging its metrics (`drift/phase`: 1 then 2).
-EXTRA = {'drift': {'task.kwargs.unit': 'steps', 'task.kwargs.period': 1}}
+# trainer driving a step-scheduled task (`Task.set_step`) and logging its metrics (`drift/phase`: 1 then 2); swe's
+# prompts are the issues alone (its tool instructions do not fit the tiny 224-token episodes; the 8-token turns
+# are cut before a tool runs, as code's: this checks the wiring).
+EXTRA = {'drift': {'task.kwargs.unit': 'steps', 'task.kwargs.period': 1},
+         'swe': {'task.kwargs.instructions': 'none'}}
 
 
 def _worker(out_path: str, names: list[str] | None = None) -> None:

@@ -85,7 +85,8 @@ class SweOptions:
   eval_file: str = ''  # Optional separate eval instances ('' = hold out eval_size of data_file).
   repos_root: str = ''  # Directory of local repositories (`<repos_root>/<repo>`) for rows without repo_files.
   reward: str = 'all'  # 'all' (1 iff every FAIL_TO_PASS and PASS_TO_PASS test passes) or 'fraction'.
-  instructions: str = 'full'  # Tool description: 'full' (a system message), 'brief' (one line after the issue).
+  instructions: str = 'full'  # Tools described: 'full' (a system message), 'brief' (one line after the issue) or
+  # 'none' (the issue alone: a model warm-started on the oracle's episodes learns the tools from them).
   observation_role: str = 'tool'  # Chat role of tool results.
   max_observation_chars: int = 3000  # Tool results of a turn are cut to this, with a note.
   max_action_chars: int = 200000  # A longer turn is not parsed (an error observation).
@@ -112,8 +113,8 @@ class SweOptions:
       raise ConfigError(f'config.{path}.repos_root={self.repos_root!r}: no such directory.')
     if self.reward not in ('all', 'fraction'):
       raise ConfigError(f'config.{path}.reward={self.reward!r}: all or fraction.')
-    if self.instructions not in ('full', 'brief'):
-      raise ConfigError(f'config.{path}.instructions={self.instructions!r}: full or brief.')
+    if self.instructions not in ('full', 'brief', 'none'):
+      raise ConfigError(f'config.{path}.instructions={self.instructions!r}: full, brief or none.')
     if self.isolation not in sandbox_lib.ISOLATIONS:
       raise ConfigError(f'config.{path}.isolation={self.isolation!r}: one of {sandbox_lib.ISOLATIONS} (bwrap '
                         'unless a weaker mode is asked for by name).')
@@ -776,10 +777,10 @@ class SweTask(base.DatasetTask):
 
 
 def make_example(inst: swe_data.Instance, instructions: str = 'full') -> base.Example:
-  """The `Example` of an instance: the issue as the user message (the tools in a system message, or one line
-  after the issue for 'brief'); `data` holds the snapshot, the hidden test files, the test ids and the gold
-  patch (none of which the model sees)."""
-  prompt = inst.problem_statement if instructions == 'full' else f'{inst.problem_statement}\n{BRIEF}'
+  """The `Example` of an instance: the issue as the user message, with the tools described in a system message
+  ('full'), in one line after the issue ('brief') or not at all ('none'); `data` holds the snapshot, the hidden
+  test files, the test ids and the gold patch (none of which the model sees)."""
+  prompt = f'{inst.problem_statement}\n{BRIEF}' if instructions == 'brief' else inst.problem_statement
   return base.Example(
       uid=f'swe:{inst.instance_id}', prompt=prompt, answer='',
       system=INSTRUCTIONS if instructions == 'full' else None,

@@ -7,8 +7,8 @@ in which ONE function carries a seeded bug: a single-token mutation of its corre
 arithmetic operator, an integer constant, `and`/`or`) found by walking its AST. A mutation is kept only when
 some of the function's cases fail under it (those become the hidden FAIL_TO_PASS test, added to the module's
 test file by `test_patch`) and the rest pass (they stay in the visible test, PASS_TO_PASS with every other
-visible test). The gold `patch` undoes the mutation. The problem statement quotes one failing call, what it
-gives and what it should give, and the function's docstring. Cases are evaluated by running the generator's
+visible test). The gold `patch` undoes the mutation. The problem statement quotes the shortest failing call,
+what it gives and what it should give, and the function's docstring. Cases are evaluated by running the generator's
 own (trusted) sources in this process, each call under a 0.1 s alarm (a mutation that loops fails that case).
 
 Rows are SWE-bench-format (`sao_jax.envs.swe_data`) with the repository inline (`repo_files`); a row is the same
@@ -421,13 +421,15 @@ def candidates() -> list[_Candidate]:
 
 
 def _statement(c: _Candidate) -> str:
-  args, want, (kind, got) = c.failing[0]
+  """The issue: the shortest failing call, what it gives and what it should give, and the function's docstring."""
   fn = c.mutation.function
   doc = ast.get_docstring(next(f for f in ast.parse(_LIBRARY[c.package][c.module]).body
                                if isinstance(f, ast.FunctionDef) and f.name == fn)) or ''
-  seen = f'raises {got}' if kind == 'raise' else f'returns {got!r}'
-  return (f'{_call_text(fn, args)} {seen}, but it should return {want!r}.\n\n'
-          f'`{fn}` in package `{c.package}` is documented as: "{doc}" Fix the bug.')
+  texts = []
+  for args, want, (kind, got) in c.failing:
+    seen = f'raises {got}' if kind == 'raise' else f'returns {got!r}'
+    texts.append(f'{_call_text(fn, args)} {seen}, but it should return {want!r}.')
+  return f'{min(texts, key=len)}\n\n{c.package}.{c.module}.{fn}: {doc}'
 
 
 def make_instance(c: _Candidate, index: int) -> dict[str, Any]:
