@@ -1,7 +1,6 @@
 """swe episodes through the real episode runner: tool results are observation tokens, and the skip-observation
 GAE of a recorded, packed batch jumps over them (its chains run over the model's tool calls only)."""
 
-import json
 
 from absl.testing import absltest
 import numpy as np
