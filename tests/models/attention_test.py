@@ -82,10 +82,13 @@ class AttentionTest(parameterized.TestCase):
   )
   def test_flash_matches_reference(self, t, block):
     """Flash equals the reference to 1e-5 in values and in gradients w.r.t. q, k and v (float32)."""
+    self.assertMatchesReference(lambda q, k, v, s: attention.flash_attention(q, k, v, s, block=block), t)
+
+  def assertMatchesReference(self, fn, t):  # pylint: disable=invalid-name
+    """`fn(q, k, v, segment_ids)` equals the reference to 1e-5 in values and q/k/v gradients on `_inputs(t)`."""
     q, k, v, seg, w = _inputs(t)
     want, want_grads = _value_and_grads(_reference, q, k, v, seg, w)
-    got, got_grads = _value_and_grads(
-        lambda q, k, v, s: attention.flash_attention(q, k, v, s, block=block), q, k, v, seg, w)
+    got, got_grads = _value_and_grads(fn, q, k, v, seg, w)
     self.assertClose(got, want, 1e-5, 'values')
     for name, g, r in zip('qkv', got_grads, want_grads):
       self.assertClose(g, r, 1e-5, f'd{name}')
@@ -106,13 +109,7 @@ class AttentionTest(parameterized.TestCase):
   def test_splash_interpret_matches_reference(self):
     """The Pallas splash kernel (interpret mode) equals the reference to 1e-5 in values and gradients, with
     segment ids; T = 300 is padded to 384: three blocks of 128."""
-    q, k, v, seg, w = _inputs(300)
-    want, want_grads = _value_and_grads(_reference, q, k, v, seg, w)
-    got, got_grads = _value_and_grads(
-        lambda q, k, v, s: attention.splash_attention(q, k, v, s, interpret=True), q, k, v, seg, w)
-    self.assertClose(got, want, 1e-5, 'values')
-    for name, g, r in zip('qkv', got_grads, want_grads):
-      self.assertClose(g, r, 1e-5, f'd{name}')
+    self.assertMatchesReference(lambda q, k, v, s: attention.splash_attention(q, k, v, s, interpret=True), 300)
 
   def test_splash_under_mesh(self):
     """Under the learner's mesh (`use_abstract_mesh`), splash runs on each device's rows and key heads in
