@@ -5,7 +5,7 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
-from sao_jax.benchmarks import attention as bench
+from sao_jax.benchmarks import attention_programs
 from sao_jax.models import config as config_lib
 
 
@@ -15,7 +15,7 @@ class AttentionBenchmarkTest(absltest.TestCase):
     cfg = config_lib.get_model_config('tiny', attention_chunk=16)
     results = {}
     for impl in ('reference', 'flash', 'scan_remat'):
-      fn, args = bench._op_program(cfg, impl, 2, 64)  # pylint: disable=protected-access
+      fn, args = attention_programs.op_program(cfg, impl, 2, 64)
       results[impl] = jax.tree.map(np.asarray, fn(*args))
     for impl in ('flash', 'scan_remat'):
       jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5), results[impl],
