@@ -89,53 +89,90 @@ class Trajectory:
     return int(idx[-1]) if idx.size else -1
 
 
-# The one list of `Batch` fields: name -> (rank, host dtype). Packing, device placement and shardings use it.
-BATCH_FIELDS: dict[str, tuple[int, type]] = {
-    'tokens': (2, np.int32),
-    'action_mask': (2, np.float32),
-    'behavior_logprobs': (2, np.float32),
-    'rewards': (2, np.float32),
-    'truncated': (1, np.bool_),
-    'group_ids': (1, np.int32),
-    'row_mask': (1, np.float32),
-    'policy_version': (1, np.int32),
+# The one list of `Batch` fields: name -> (axes, host dtype); axes 'tokens' = `[B, T]`, 'segments' = `[B, S]`.
+# Packing, device placement and shardings use it.
+BATCH_FIELDS: dict[str, tuple[str, type]] = {
+    'tokens': ('tokens', np.int32),
+    'action_mask': ('tokens', np.float32),
+    'behavior_logprobs': ('tokens', np.float32),
+    'rewards': ('tokens', np.float32),
+    'segment_ids': ('tokens', np.int32),
+    'truncated': ('segments', np.bool_),
+    'group_ids': ('segments', np.int32),
+    'segment_mask': ('segments', np.float32),
+    'policy_version': ('segments', np.int32),
 }
 
 
 @flax.struct.dataclass
 class Batch:
-  """A padded learner batch; every field has leading dim B (rows), `[B, T]` ones are right-padded.
+  """A padded learner batch of B rows, T tokens each, holding up to S trajectories (segments) per row.
+
+  Without packing (`trainer.pack='none'`) a row holds one trajectory: S = 1. Packed rows hold several,
+  each a contiguous run of tokens numbered by `segment_ids` (1..S in order; 0 = padding after the last). Every
+  per-trajectory field is `[B, S]`, entry `[b, s]` belonging to the tokens with `segment_ids[b] == s + 1`.
 
   Attributes:
     tokens: int32 `[B, T]`.
     action_mask: float32 `[B, T]`, 1 on policy-generated tokens (0 on prompt, observations, padding).
     behavior_logprobs: float32 `[B, T]`, the sampler's log-prob of each action token under the distribution it
       actually sampled from (`Trajectory.behavior_logprobs`); 0 elsewhere.
-    rewards: float32 `[B, T]`, the episode reward on its last action token, 0 elsewhere.
-    truncated: bool `[B]`, the episode was cut by a limit (bootstrap from V after the row's last real token).
-    group_ids: int32 `[B]`, rows sharing a prompt (group baselines); -1 when unused.
-    row_mask: float32 `[B]`, 0 for padding rows added to fill a bucket.
-    policy_version: int32 `[B]`.
+    rewards: float32 `[B, T]`, each episode's reward on its last action token, 0 elsewhere.
+    segment_ids: int32 `[B, T]`, which trajectory of the row a token belongs to (1..S), 0 on padding. The
+      model attends within a segment and restarts positions at its first token; GAE never crosses a boundary.
+    truncated: bool `[B, S]`, the episode was cut by a limit (bootstrap from V after its last token).
+    group_ids: int32 `[B, S]`, trajectories sharing a prompt (group baselines); -1 when unused.
+    segment_mask: float32 `[B, S]`, 1 on segments holding a trajectory (0 for empty slots and padding rows).
+    policy_version: int32 `[B, S]`.
   """
   tokens: jax.Array
   action_mask: jax.Array
   behavior_logprobs: jax.Array
   rewards: jax.Array
+  segment_ids: jax.Array
   truncated: jax.Array
   group_ids: jax.Array
-  row_mask: jax.Array
+  segment_mask: jax.Array
   policy_version: jax.Array
 
   @property
   def shape(self) -> tuple[int, int]:
     return self.tokens.shape
 
+  @property
+  def num_segments(self) -> int:
+    """S, trajectories a row can hold (1 without packing)."""
+    return self.segment_mask.shape[1]
+
+  @staticmethod
+  def field_shape(name: str, rows: int, seq_len: int, segments: int = 1) -> tuple[int, int]:
+    """The shape of field `name` in a batch of `rows` x `seq_len` tokens and `segments` per row."""
+    return (rows, seq_len) if BATCH_FIELDS[name][0] == 'tokens' else (rows, segments)
+
   @classmethod
   def of_host(cls, batch: Any) -> Batch:
-    """A `Batch` of numpy arrays with the dtypes of `BATCH_FIELDS`, from any object with those attributes."""
-    return cls(**{k: np.asarray(getattr(batch, k), dtype) for k, (_, dtype) in BATCH_FIELDS.items()})
+    """A `Batch` of numpy arrays with the dtypes of `BATCH_FIELDS`, from a dict or any object with those
+    attributes."""
+    get = batch.get if isinstance(batch, dict) else lambda k: getattr(batch, k)
+    return cls(**{k: np.asarray(get(k), dtype) for k, (_, dtype) in BATCH_FIELDS.items()})
+
+  @classmethod
+  def from_rows(cls, *, tokens, action_mask, behavior_logprobs, rewards, lengths, truncated=None, group_ids=None,
+                row_mask=None, policy_version=None) -> Batch:
+    """A host batch of one trajectory per row (S = 1) from row arrays: row b's trajectory is its first
+    `lengths[b]` tokens; `truncated`, `group_ids`, `row_mask` (1 = a real row), `policy_version` are `[B]`
+    (defaults False, -1, 1, 0). A row with `row_mask` 0 is padding: no segment."""
+    tokens = np.asarray(tokens, np.int32)
+    b, t = tokens.shape
+    real = np.ones(b, np.float32) if row_mask is None else np.asarray(row_mask, np.float32)
+    seg = ((np.arange(t)[None, :] < np.asarray(lengths)[:, None]) & (real[:, None] > 0)).astype(np.int32)
+    column = lambda x, fill, dtype: np.full((b, 1), fill, dtype) if x is None else np.asarray(x, dtype)[:, None]
+    return cls.of_host(dict(
+        tokens=tokens, action_mask=action_mask, behavior_logprobs=behavior_logprobs, rewards=rewards,
+        segment_ids=seg, truncated=column(truncated, False, bool), group_ids=column(group_ids, -1, np.int32),
+        segment_mask=real[:, None], policy_version=column(policy_version, 0, np.int32)))
 
   @classmethod
   def map_fields(cls, fn) -> Batch:
-    """A `Batch` whose field `k` is `fn(k, rank)` (e.g. one sharding per field)."""
-    return cls(**{k: fn(k, rank) for k, (rank, _) in BATCH_FIELDS.items()})
+    """A `Batch` whose field `k` is `fn(k)` (e.g. one sharding per field)."""
+    return cls(**{k: fn(k) for k in BATCH_FIELDS})

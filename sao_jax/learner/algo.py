@@ -244,6 +244,18 @@ class StepConfig:
   minibatch_size: int
   microbatch_size: int
   policy_epochs: int
+  batch_size: int = 0  # Trajectories per step (0: `minibatch_size`, `microbatch_size` are taken as counts of 1).
+
+  @property
+  def minibatches(self) -> int:
+    """Optimizer updates per epoch: `batch_size / minibatch_size` (1 when either is 0)."""
+    return self.batch_size // self.minibatch_size if self.minibatch_size and self.batch_size else 1
+
+  @property
+  def microbatches(self) -> int:
+    """Gradient-accumulation chunks per update: `minibatch / microbatch_size` (1 when 0)."""
+    mb = (self.minibatch_size or self.batch_size) if self.batch_size else 0
+    return mb // self.microbatch_size if self.microbatch_size and mb else 1
 
   @property
   def uses_critic(self) -> bool:
@@ -273,5 +285,5 @@ class StepConfig:
         icepop_high=float(a.icepop_high), kl_coef=float(a.kl_coef), kl_estimator=a.kl_estimator,
         entropy_coef=float(a.entropy_coef), minibatch_size=int(tr.minibatch_size),
         microbatch_size=int(tr.get('microbatch_size', 0)),
-        policy_epochs=int(tr.policy_epochs))
+        policy_epochs=int(tr.policy_epochs), batch_size=int(tr.batch_size))
 

@@ -63,22 +63,20 @@ def default_critic(policy: ModelOrFn, seed: int, remat: str = '') -> ModelOrFn:
   return make
 
 
-def check_groups(group_ids: np.ndarray, row_mask: np.ndarray, group_size: int) -> None:
-  """Group baselines need rows laid out as contiguous groups of `group_size` sharing one `group_id`.
+def check_groups(group_ids: np.ndarray, segment_mask: np.ndarray, group_size: int) -> None:
+  """Group baselines need whole groups: each group id of the real trajectories (`segment_mask` 1) held by
+  exactly `group_size` of them, in any rows and segments (`steps.group_advantages` groups by id).
 
   Raises:
     ValueError: naming the first offending group.
   """
-  rows = group_ids.shape[0]
-  if rows % group_size:
-    raise ValueError(f'batch has {rows} rows, not whole groups of config.algo.group_size={group_size}.')
-  ids = group_ids.reshape(-1, group_size)
-  real = row_mask.reshape(-1, group_size) > 0
-  for g, (gid, r) in enumerate(zip(ids, real)):
-    if r.any() and (not r.all() or (gid != gid[0]).any()):
-      raise ValueError(f'rows {g * group_size}..{(g + 1) * group_size - 1} are not one whole group '
-                       f'(group_ids {gid.tolist()}, row_mask {r.astype(int).tolist()}); the group baselines need '
-                       'each prompt\'s config.algo.group_size rollouts in consecutive rows.')
+  ids = np.asarray(group_ids)[np.asarray(segment_mask) > 0]
+  values, counts = np.unique(ids, return_counts=True)
+  for gid, n in zip(values.tolist(), counts.tolist()):
+    if gid < 0 or n != group_size:
+      raise ValueError(f'group id {gid} has {n} trajectories in the batch, not one whole group of '
+                       f'config.algo.group_size={group_size}; the group baselines need each prompt\'s rollouts '
+                       'together in one batch, under one group id (>= 0).')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,11 +184,11 @@ class Learner:
     hparams = steps_lib.step_hparams(cfg, policy_hp, critic_hp)
     hparams_sh = jax.tree.map(lambda _: rep, hparams)
     self.hparams = (state_lib.abstract if abstract else state_lib.place)(hparams, hparams_sh)
-    batch_sh = Batch.map_fields(lambda _, rank: parallel.batch_sharding(self.mesh, rank))
+    batch_sh = Batch.map_fields(lambda _: parallel.batch_sharding(self.mesh, 2))
     self._step_fn = jax.jit(fn, in_shardings=(self.state_shardings, batch_sh, ref_sh, hparams_sh),
                             out_shardings=(self.state_shardings, rep), donate_argnums=(0,))
     self._batch_shardings = batch_sh
-    self._compiled: dict[tuple[int, int], Any] = {}  # (rows, T) -> the update compiled ahead (`compile_update`).
+    self._compiled: dict[tuple[int, int, int], Any] = {}  # (rows, T, S) -> the update compiled ahead.
     self.max_consecutive_skips = o.max_consecutive_skips
     self.last_step_time_s = float('nan')
 
@@ -212,7 +210,7 @@ class Learner:
     parallel.sharding.check_batch_rows(local.tokens.shape[0] * jax.process_count(), self.mesh,
                                        'batch rows (config.trainer.batch_size)')
     if not self.step_config.uses_critic:
-      check_groups(local.group_ids, local.row_mask, self.step_config.group_size)
+      check_groups(local.group_ids, local.segment_mask, self.step_config.group_size)
     if jax.process_count() == 1:
       return jax.device_put(local, self._batch_shardings)
     rows = local.tokens.shape[0] * jax.process_count()
@@ -220,8 +218,9 @@ class Learner:
 
   # ---- Update.
 
-  def compile_update(self, rows: int, seq_lens: Sequence[int]) -> None:
-    """Compiles the update ahead of time for global batches of `rows` x `T` tokens, each `T` in `seq_lens`.
+  def compile_update(self, rows: int, seq_lens: Sequence[int], segments: int = 1) -> bool:
+    """Compiles the update ahead of time for global batches of `rows` x `T` tokens, each `T` in `seq_lens`, and
+    `segments` trajectories per row (1 unpacked). Returns whether anything was compiled.
 
     `dispatch` then runs these executables and compiles nothing. On several processes the trainer calls this
     before a `parallel.sync` barrier, so the processes reach the update's first collective together however
@@ -229,18 +228,24 @@ class Learner:
     context, which fails when one process arrives more than 30 s after another). Lowering reads only the
     state's shapes and shardings: nothing runs, nothing is donated.
     """
+    compiled = False
     for seq_len in seq_lens:
-      if (rows, int(seq_len)) in self._compiled:
+      key = (int(rows), int(seq_len), int(segments))
+      if key in self._compiled:
         continue
       t0 = time.perf_counter()
-      self._compiled[(rows, int(seq_len))] = self.lower_update(rows, int(seq_len)).compile()
-      logging.info('Compiled the learner update for batches of %d x %d tokens in %.1f s.', rows, seq_len,
+      self._compiled[key] = self.lower_update(*key).compile()
+      compiled = True
+      logging.info('Compiled the learner update for batches of %d x %d tokens (%d per row) in %.1f s.', *key,
                    time.perf_counter() - t0)
+    return compiled
 
-  def lower_update(self, rows: int, seq_len: int) -> jax.stages.Lowered:
-    """The update lowered for global batches of `rows` x `seq_len` tokens (shapes and shardings only)."""
-    batch = Batch.map_fields(lambda k, rank: jax.ShapeDtypeStruct(
-        (rows, seq_len)[:rank], BATCH_FIELDS[k][1], sharding=getattr(self._batch_shardings, k)))
+  def lower_update(self, rows: int, seq_len: int, segments: int = 1) -> jax.stages.Lowered:
+    """The update lowered for global batches of `rows` x `seq_len` tokens holding up to `segments` trajectories
+    per row (shapes and shardings only)."""
+    batch = Batch.map_fields(lambda k: jax.ShapeDtypeStruct(
+        Batch.field_shape(k, rows, seq_len, segments), BATCH_FIELDS[k][1],
+        sharding=getattr(self._batch_shardings, k)))
     return self._step_fn.lower(self.state, batch, self.ref_state, self.hparams)
 
   def update(self, batch: Batch) -> dict[str, float]:
@@ -256,7 +261,8 @@ class Learner:
     and place the next batch while the step runs. `collect` its result before dispatching another."""
     t0 = time.perf_counter()
     batch = self.put_batch(batch)
-    step_fn = self._compiled.get(tuple(batch.tokens.shape), self._step_fn)  # Compiled ahead, else jit's.
+    key = (*batch.tokens.shape, batch.num_segments)
+    step_fn = self._compiled.get(key, self._step_fn)  # Compiled ahead, else jit's.
     self.state, metrics = step_fn(self.state, batch, self.ref_state, self.hparams)
     counters = {'policy': self.state.policy.consecutive_skips}
     if self.state.critic is not None:
@@ -271,7 +277,8 @@ class Learner:
     self.last_step_time_s = dt
     out = {k: float(v) for k, v in metrics.items()}
     out['perf/step_time_s'] = dt
-    out['perf/tokens_per_s'] = b * t / dt
+    out['perf/tokens_per_s'] = b * t * (1.0 - out['batch/padding_frac']) / dt  # Trained tokens (not padding).
+    out['perf/padded_tokens_per_s'] = b * t / dt
     out['perf/action_tokens_per_s'] = out['batch/action_tokens'] / dt
     skipped = out.get('policy/skipped', 0.0) + out.get('critic/skipped', 0.0)
     if skipped and parallel.is_main_process():

@@ -131,7 +131,7 @@ def optimizer_horizons(config: Any) -> tuple[int, int]:
   """
   cfg = algo_lib.StepConfig.from_config(config)
   steps = int(config.trainer.num_steps)
-  m = steps_lib.num_minibatches(int(config.trainer.batch_size), cfg.minibatch_size)
+  m = cfg.minibatches
   warmup = cfg.critic_warmup_steps if cfg.uses_critic else 0
   policy = max(steps - warmup, 1) * cfg.policy_epochs * m
   critic = steps * cfg.critic_epochs * m if cfg.uses_critic else 0

@@ -17,17 +17,19 @@ and optimizer state as they were and bumps the skip counters.
 
 Truncated rows (`batch.truncated`: cut by a turn, observation or token limit, so not terminal), by
 `algo.truncation`:
-  - 'bootstrap': the GAE chain of the row ends in `V(tokens[b, :L_b])`, the critic's value of the state
-    after the row's last real token (`next_values[b, L_b - 1]`, see `critic_values`). `L_b` = the row's
-    real tokens: rows are right-padded with the model's `pad_id` (the critic's `ModelConfig.pad_id`), and
-    padding = the trailing `pad_id` tokens that are not action tokens (`real_lengths`; a row whose last
-    real token is a non-action `pad_id` would be read one token short). The rollout makes that end a kind
-    of state the critic is trained on (its targets sit at states where an action token is generated): a
+  - 'bootstrap': the GAE chain of the trajectory ends in the critic's value of the state after its last
+    token (`next_values` at the segment's last token, see `critic_values` and `truncation_bootstrap`). The
+    rollout makes that end a kind of state the critic is trained on (its targets sit at states where an action token is generated): a
     turn-limit or observation-overflow cut keeps the final observation as non-action tokens, a
     `max_new_tokens` cut ends mid-turn on an action token, and rows ending right after a turn-closing stop
     token are dropped there.
   - 'drop': the row's tokens leave the mask: no critic target, no policy gradient, no count in any
     denominator or metric.
+
+Packed rows (`trainer.pack`, `Batch.segment_ids`): every model call attends within a segment with positions
+restarting per segment; GAE, lambda, the bootstrap and the sequence statistics are per segment (trajectory);
+group baselines group by id. Minibatch and microbatch counts are those of the unpacked batch (`StepConfig`),
+their rows a share of the packed rows.
 
 Minibatches are interleaved rows (`b = m * n_minibatches + i` for minibatch i), so with rows sharded
 over `('data', 'fsdp')` every device already holds its share of every minibatch: no data movement.
@@ -72,17 +74,17 @@ Hparams = dict[str, Any]  # `StepConfig.hparams()`: host scalars, or the jitted 
 masked_mean = losses.masked_mean
 
 
-def real_lengths(tokens: jax.Array, action_mask: jax.Array, pad_id: int) -> jax.Array:
-  """Real tokens `L_b` of right-padded rows: 1 + the last index holding an action token or a token other
-  than `pad_id` (0 for a row of padding only). int32 `[B]`."""
-  t = tokens.shape[-1]
-  real = (tokens != pad_id) | (action_mask > 0)
-  return jnp.max(jnp.where(real, jnp.arange(1, t + 1, dtype=jnp.int32)[None], 0), axis=-1)
+def segment_ends(segment_ids: jax.Array) -> jax.Array:
+  """bool `[B, T]`: the last token of each segment (trajectory) of a packed row (padding, segment 0, excluded)."""
+  nxt = jnp.concatenate([segment_ids[:, 1:], jnp.zeros_like(segment_ids[:, :1])], axis=1)
+  return (segment_ids > 0) & (nxt != segment_ids)
 
 
-def truncation_bootstrap(next_values: jax.Array, lengths: jax.Array, truncated: jax.Array) -> jax.Array:
-  """`V(tokens[b, :L_b]) = next_values[b, L_b - 1]` for truncated rows, 0 for terminal ones. float32 `[B]`."""
-  end = jnp.take_along_axis(next_values, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
+def truncation_bootstrap(next_values: jax.Array, segment_ids: jax.Array, truncated: jax.Array) -> jax.Array:
+  """`V(state after a trajectory's last token)` = `next_values` at its segment's last token, for truncated
+  trajectories; 0 for terminal ones. float32 `[B, S]` (`truncated` is `[B, S]`)."""
+  at_end = jnp.where(segment_ends(segment_ids), next_values, 0.0)
+  end = losses.sequence_sum(at_end, segment_ids, truncated.shape[1])
   return jnp.where(truncated, end, 0.0)
 
 
@@ -90,15 +92,17 @@ def truncation_bootstrap(next_values: jax.Array, lengths: jax.Array, truncated: 
 # Model calls.
 
 
-def critic_values(critic: nnx.Module, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+def critic_values(critic: nnx.Module, tokens: jax.Array,
+                  segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """The critic (`sao_jax.models.value.ValueModel`) on `tokens[B, T]` -> (values[B, T], next_values[B, T]).
 
   `next_values[b, t] = head(hidden[b, t])` = V(tokens[b, :t+1]), the value of the state after token t;
   `values[b, t] = next_values[b, t-1]` (DESIGN alignment, `values[:, 0] = 0`), exactly what
-  `ValueModel.__call__` returns. One backbone pass gives both: `next_values` at a row's last real token
-  bootstraps a truncated row from the state after it.
+  `ValueModel.__call__` returns. One backbone pass gives both: `next_values` at a trajectory's last token
+  bootstraps a truncated one from the state after it. `segment_ids`: packed rows (the first token of a segment
+  gets the previous segment's last value: it is a prompt token, never read).
   """
-  next_values = critic.head(critic.backbone.hidden(tokens))
+  next_values = critic.head(critic.backbone.hidden(tokens, segment_ids=segment_ids))
   values = jnp.pad(next_values[:, :-1], ((0, 0), (1, 0)))
   return values, next_values
 
@@ -210,9 +214,12 @@ class Objective:
       (`[b, T]`, differentiable w.r.t. the model).
     loss: `(outputs, rows, scale) -> (loss, metrics)`, pure; each term of the loss aggregated with
       `agg` (see `losses.common.AGGREGATIONS`) is multiplied by `scale(agg)`.
+    num_segments: S, the trajectories a row holds (`rows['segment_ids']` numbers them): what a sequence mean
+      counts as a sequence (static).
   """
   forward: Callable[[nnx.Module, Any, Any], dict[str, jax.Array]]
   loss: Callable[[dict[str, jax.Array], Any, Scale], tuple[jax.Array, Metrics]]
+  num_segments: int = 1
 
 
 def _grad_and_metrics(spec: state_lib.ModelSpec, ts: state_lib.TrainState, mb: Any, objective: Objective,
@@ -233,11 +240,13 @@ def _grad_and_metrics(spec: state_lib.ModelSpec, ts: state_lib.TrainState, mb: A
     (loss, (metrics, _)), grads = jax.value_and_grad(at, has_aux=True)(ts.params, mb, _whole)
     return loss, metrics, grads
 
-  totals = {agg: jnp.maximum(losses.aggregate_count(mb['mask'], agg), 1.0) for agg in losses.common.AGGREGATIONS}
+  count = lambda rows, agg: losses.aggregate_count(rows['mask'], agg, rows.get('segment_ids'),
+                                                   objective.num_segments)
+  totals = {agg: jnp.maximum(count(mb, agg), 1.0) for agg in losses.common.AGGREGATIONS}
 
   def micro(acc, j):
     rows = take_minibatch(mb, j, parts, mesh)
-    scale = lambda agg: losses.aggregate_count(rows['mask'], agg) / totals[agg]
+    scale = lambda agg: count(rows, agg) / totals[agg]
     (_, (_, out)), grads = jax.value_and_grad(at, has_aux=True)(ts.params, rows, scale)
     return jax.tree.map(jnp.add, acc, grads), jax.lax.stop_gradient(out)
 
@@ -275,14 +284,14 @@ def run_updates(spec: state_lib.ModelSpec, ts: state_lib.TrainState, data: Any, 
 # Objectives of one minibatch.
 
 
-def critic_objective(cfg: algo_lib.StepConfig, h: Hparams | None = None) -> Objective:
+def critic_objective(cfg: algo_lib.StepConfig, h: Hparams | None = None, num_segments: int = 1) -> Objective:
   """Masked MSE of the critic's values to the fixed returns (`losses.value_loss`, token mean); the values of
   `h` (`cfg.hparams()` when None), the structure of `cfg`."""
   h = cfg.hparams() if h is None else h
   clip = cfg.value_clip_eps > 0
 
   def forward(model, rows, _):
-    return {'values': critic_values(model, rows['tokens'])[0]}
+    return {'values': critic_values(model, rows['tokens'], rows.get('segment_ids'))[0]}
 
   def loss(out, rows, scale):
     value, metrics = losses.value_loss(out['values'], rows['returns'], rows['mask'],
@@ -290,10 +299,11 @@ def critic_objective(cfg: algo_lib.StepConfig, h: Hparams | None = None) -> Obje
                                        clip_eps=h['value_clip_eps'] if clip else None)
     return scale('token_mean') * value, metrics
 
-  return Objective(forward, loss)
+  return Objective(forward, loss, num_segments)
 
 
-def policy_objective(cfg: algo_lib.StepConfig, ref_graphdef: Any = None, h: Hparams | None = None) -> Objective:
+def policy_objective(cfg: algo_lib.StepConfig, ref_graphdef: Any = None, h: Hparams | None = None,
+                     num_segments: int = 1) -> Objective:
   """`losses.policy_loss` (aggregated with `cfg.agg`), minus `entropy_coef` times the token-mean entropy,
   plus `kl_coef` times the token-mean KL to the reference policy (`extra`: its full `nnx.State`); the values
   of `h` (`cfg.hparams()` when None), the structure of `cfg`."""
@@ -301,11 +311,13 @@ def policy_objective(cfg: algo_lib.StepConfig, ref_graphdef: Any = None, h: Hpar
   use_ref = bool(cfg.kl_coef)
 
   def forward(model, rows, ref):
-    logp, ent = logprobs_lib.token_logprobs(model, rows['tokens'], return_entropy=True)
+    seg = rows.get('segment_ids')
+    logp, ent = logprobs_lib.token_logprobs(model, rows['tokens'], segment_ids=seg, return_entropy=True)
     out = {'logprobs': logp, 'entropy': ent}
     if use_ref and ref is not None:
       ref_model = nnx.merge(ref_graphdef, ref)
-      out['ref_logprobs'] = jax.lax.stop_gradient(logprobs_lib.token_logprobs(ref_model, rows['tokens']))
+      out['ref_logprobs'] = jax.lax.stop_gradient(
+          logprobs_lib.token_logprobs(ref_model, rows['tokens'], segment_ids=seg))
     return out
 
   def loss(out, rows, scale):
@@ -315,7 +327,7 @@ def policy_objective(cfg: algo_lib.StepConfig, ref_graphdef: Any = None, h: Hpar
         eps_low=h['eps_low'], eps_high=h['eps_high'], agg=cfg.agg, dual_clip_c=h['dual_clip_c'],
         agg_max_len=cfg.agg_max_len, proximal_logprobs=rows.get('proximal_logprobs'),
         behavior_correction=cfg.behavior_correction, tis_cap=h['tis_cap'], icepop_low=h['icepop_low'],
-        icepop_high=h['icepop_high'])
+        icepop_high=h['icepop_high'], segment_ids=rows.get('segment_ids'), num_segments=num_segments)
     metrics.pop('num_action_tokens', None)
     total = scale(cfg.agg) * pg
     entropy = masked_mean(out['entropy'], mask)
@@ -328,7 +340,7 @@ def policy_objective(cfg: algo_lib.StepConfig, ref_graphdef: Any = None, h: Hpar
       metrics['kl_ref'] = jax.lax.stop_gradient(kl_ref)
     return total, metrics
 
-  return Objective(forward, loss)
+  return Objective(forward, loss, num_segments)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -348,42 +360,51 @@ def _unpack(cfg: algo_lib.StepConfig, hparams: Any) -> tuple[Hparams, Any, Any]:
   return hparams['algo'], hparams['policy'], hparams['critic']
 
 
-def _row_reward(batch: Batch) -> jax.Array:
-  return jnp.sum(batch.rewards * batch.action_mask, axis=-1)
+def _trajectory_rewards(batch: Batch) -> jax.Array:
+  """Each trajectory's reward (the sum of its rewards on action tokens), `[B, S]`."""
+  return losses.sequence_sum(batch.rewards * batch.action_mask, batch.segment_ids, batch.num_segments)
 
 
-def group_advantages(cfg: algo_lib.StepConfig, row_rewards: jax.Array) -> jax.Array:
-  """Advantages `[B]` of rows laid out as contiguous groups of `group_size` rollouts of one prompt.
+def group_advantages(cfg: algo_lib.StepConfig, rewards: jax.Array, group_ids: jax.Array,
+                     valid: jax.Array) -> jax.Array:
+  """Advantages `[B, S]` of the trajectories of a batch, grouped by `group_ids` (`losses.group_advantages_by_id`:
+  rollouts of one prompt, in any rows and segments).
 
   GRPO: `(R - mean_g R) / (std_g R + eps)`; Dr.GRPO (`group_std_normalize=False`): `R - mean_g R`;
   RLOO (`group_baseline='leave_one_out'`): `R_i - mean_{j != i} R_j`.
   """
-  b = row_rewards.shape[0]
-  g = cfg.group_size
-  if b % g:
-    raise ValueError(f'batch rows {b} are not whole groups of config.algo.group_size={g}.')
-  r = row_rewards.reshape(b // g, g)
-  if cfg.group_baseline == 'leave_one_out':
-    adv = losses.leave_one_out_advantages(r)
-  else:
-    adv = losses.group_advantages(r, std_normalize=cfg.group_std_normalize)
-  return adv.reshape(b)
+  baseline = 'leave_one_out' if cfg.group_baseline == 'leave_one_out' else 'mean'
+  return losses.group_advantages_by_id(rewards, group_ids, valid, baseline=baseline,
+                                       std_normalize=cfg.group_std_normalize)
 
 
-def _policy_phase(cfg, policy_spec, ref_graphdef, ts, data, ref_params, active, mesh, h, opt_hparams):
+def split_sizes(cfg: algo_lib.StepConfig, rows: int) -> tuple[int, int]:
+  """(minibatch, microbatch) sizes in rows of a batch of `rows` rows: `StepConfig`'s counts of minibatches and
+  microbatches (those of the unpacked batch of `batch_size` trajectories) over these rows (0 = whole)."""
+  n, parts = cfg.minibatches, cfg.microbatches
+  if rows % (n * parts):
+    raise ValueError(f'{rows} batch rows do not split into {n} minibatches of {parts} microbatches '
+                     '(config.trainer.minibatch_size / microbatch_size; packed row counts are multiples of both).')
+  return (rows // n if n > 1 else 0), (rows // (n * parts) if parts > 1 else 0)
+
+
+def _policy_phase(cfg, policy_spec, ref_graphdef, ts, data, ref_params, active, mesh, h, opt_hparams,
+                  num_segments):
   """Policy updates; under `lax.cond(active, ...)` when `active` is given (warmup leaves ts untouched)."""
-  objective = policy_objective(cfg, ref_graphdef, h)
+  objective = policy_objective(cfg, ref_graphdef, h, num_segments)
+  minibatch_size, microbatch_size = split_sizes(cfg, data['tokens'].shape[0])
 
   def run(ts):
     mb_data = data
     if cfg.behavior_correction != 'none':
       # Decoupled PPO: the proximal policy is the policy at the start of this learner step.
       model = state_lib.merge(policy_spec, ts)
-      prox = map_rows(lambda toks: logprobs_lib.token_logprobs(model, toks), data['tokens'],
-                      num_microbatches(data['tokens'].shape[0], cfg.microbatch_size), mesh)
+      prox = map_rows(lambda x: logprobs_lib.token_logprobs(model, x[0], segment_ids=x[1]),
+                      (data['tokens'], data['segment_ids']),
+                      num_microbatches(data['tokens'].shape[0], microbatch_size), mesh)
       mb_data = {**data, 'proximal_logprobs': jax.lax.stop_gradient(prox)}
     return run_updates(policy_spec, ts, mb_data, objective, epochs=cfg.policy_epochs,
-                       minibatch_size=cfg.minibatch_size, microbatch_size=cfg.microbatch_size, mesh=mesh,
+                       minibatch_size=minibatch_size, microbatch_size=microbatch_size, mesh=mesh,
                        extra=ref_params, opt_hparams=opt_hparams)
 
   if active is None:
@@ -406,12 +427,14 @@ def _advantage_metrics(adv: jax.Array, mask: jax.Array) -> Metrics:
 
 
 def _batch_metrics(batch: Batch, mask: jax.Array) -> Metrics:
-  rows = jnp.maximum(jnp.sum(batch.row_mask), 1.0)
+  real = batch.segment_mask.astype(jnp.float32)
+  n = jnp.maximum(jnp.sum(real), 1.0)
   return {
-      'batch/rows': jnp.sum(batch.row_mask),
+      'batch/rows': jnp.sum(real),  # Trajectories (several per row when packed).
       'batch/action_tokens': jnp.sum(mask),
-      'batch/reward_mean': jnp.sum(_row_reward(batch) * batch.row_mask) / rows,
-      'batch/truncated_frac': jnp.sum(batch.truncated.astype(jnp.float32) * batch.row_mask) / rows,
+      'batch/reward_mean': jnp.sum(_trajectory_rewards(batch) * real) / n,
+      'batch/truncated_frac': jnp.sum(batch.truncated.astype(jnp.float32) * real) / n,
+      'batch/padding_frac': jnp.mean((batch.segment_ids == 0).astype(jnp.float32)),
   }
 
 
@@ -443,49 +466,52 @@ def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
     chex.assert_rank(batch.tokens, 2)
     h, policy_hp, critic_hp = _unpack(cfg, hparams)
     f32 = jnp.float32
-    action_mask = batch.action_mask.astype(f32) * batch.row_mask.astype(f32)[:, None]
-    truncated = batch.truncated.astype(bool)
+    seg, num_segments = batch.segment_ids, batch.num_segments
+    real = batch.segment_mask.astype(f32)  # [B, S]
+    truncated = batch.truncated.astype(bool) & (real > 0)
+    action_mask = batch.action_mask.astype(f32) * losses.sequence_to_tokens(real, seg)
     if cfg.truncation == 'drop':
-      mask = action_mask * (~truncated).astype(f32)[:, None]
+      mask = action_mask * losses.sequence_to_tokens((~truncated).astype(f32), seg)
     else:
       mask = action_mask
     # The TD chain of GAE (and the critic's trained tokens): the action tokens, or their span (ablation).
-    chain = mask if cfg.gae_over == 'actions' else losses.action_span_mask(mask)
-    parts = num_microbatches(batch.tokens.shape[0], cfg.microbatch_size)
-    pad_id = state_lib.merge(critic_spec, state.critic).cfg.pad_id  # Static: the critic's ModelConfig.
-    lengths = real_lengths(batch.tokens, batch.action_mask, pad_id)
+    chain = mask if cfg.gae_over == 'actions' else losses.action_span_mask(mask, seg)
+    minibatch_size, microbatch_size = split_sizes(cfg, batch.tokens.shape[0])
+    parts = num_microbatches(batch.tokens.shape[0], microbatch_size)
 
     def values_of(critic_ts):  # (values, next_values) of the batch, one microbatch at a time.
       critic = state_lib.merge(critic_spec, critic_ts)
-      out = map_rows(lambda toks: critic_values(critic, toks), batch.tokens, parts, mesh)
+      out = map_rows(lambda x: critic_values(critic, x[0], x[1]), (batch.tokens, seg), parts, mesh)
       return jax.lax.stop_gradient(out)
 
     def bootstrap(next_values):
       if cfg.truncation != 'bootstrap':
         return None
-      return truncation_bootstrap(next_values, lengths, truncated)
+      return truncation_bootstrap(next_values, seg, truncated)
 
     # 1-2. Fixed value targets from the critic before its update.
     values_old, next_old = values_of(state.critic)
     _, returns = losses.skip_observation_gae(batch.rewards, values_old, chain, gamma=h['gamma'],
-                                              lam=h['lam_critic'], bootstrap=bootstrap(next_old))
+                                              lam=h['lam_critic'], bootstrap=bootstrap(next_old), segment_ids=seg)
     returns = jax.lax.stop_gradient(returns)
 
     # 3. K critic epochs on the fixed returns.
-    critic_data = {'tokens': batch.tokens, 'returns': returns, 'mask': chain, 'old_values': values_old}
-    critic_ts, critic_m = run_updates(critic_spec, state.critic, critic_data, critic_objective(cfg, h),
-                                      epochs=cfg.critic_epochs, minibatch_size=cfg.minibatch_size,
-                                      microbatch_size=cfg.microbatch_size, mesh=mesh, opt_hparams=critic_hp)
+    critic_data = {'tokens': batch.tokens, 'segment_ids': seg, 'returns': returns, 'mask': chain,
+                   'old_values': values_old}
+    critic_ts, critic_m = run_updates(critic_spec, state.critic, critic_data,
+                                      critic_objective(cfg, h, num_segments), epochs=cfg.critic_epochs,
+                                      minibatch_size=minibatch_size, microbatch_size=microbatch_size, mesh=mesh,
+                                      opt_hparams=critic_hp)
 
     # 4-5. Policy advantages from the updated (or the pre-update) critic.
     if cfg.advantages_from == 'updated_critic':
       values_new, next_new = values_of(critic_ts)
     else:
       values_new, next_new = values_old, next_old
-    lam = (losses.adaptive_lambda(mask, h['adaptive_alpha']) if cfg.lam_policy < 0
-           else jnp.full((mask.shape[0],), h['lam_policy'], f32))
+    lam = (losses.adaptive_lambda(mask, h['adaptive_alpha'], seg, num_segments) if cfg.lam_policy < 0
+           else jnp.full(real.shape, h['lam_policy'], f32))
     advantages, _ = losses.skip_observation_gae(batch.rewards, values_new, chain, gamma=h['gamma'], lam=lam,
-                                                 bootstrap=bootstrap(next_new))
+                                                 bootstrap=bootstrap(next_new), segment_ids=seg)
     advantages = advantages * mask  # The policy's tokens only (a no-op for the action chain).
     if cfg.whiten_advantages:
       advantages = losses.whiten(advantages, mask)
@@ -493,10 +519,10 @@ def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
 
     # 6. Policy update(s), after the critic-only warmup.
     active = state.step >= h['critic_warmup_steps']
-    policy_data = {'tokens': batch.tokens, 'behavior_logprobs': batch.behavior_logprobs,
+    policy_data = {'tokens': batch.tokens, 'segment_ids': seg, 'behavior_logprobs': batch.behavior_logprobs,
                    'advantages': advantages, 'mask': mask}
     policy_ts, policy_m = _policy_phase(cfg, policy_spec, ref_graphdef, state.policy, policy_data,
-                                        ref_params, active, mesh, h, policy_hp)
+                                        ref_params, active, mesh, h, policy_hp, num_segments)
 
     metrics = {
         **_prefixed('critic', critic_m),
@@ -506,7 +532,7 @@ def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,
         'critic/return_mean': masked_mean(returns, mask),
         **_prefixed('policy', policy_m),
         'policy/active': active.astype(f32),
-        'policy/lambda_mean': masked_mean(lam, batch.row_mask.astype(f32)),
+        'policy/lambda_mean': masked_mean(lam, real),
         **_advantage_metrics(advantages, mask),
         **_batch_metrics(batch, mask),
         'guard/policy_skipped_total': policy_ts.skipped.astype(f32),
@@ -525,15 +551,17 @@ def make_group_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec, 
   def step(state: state_lib.LearnerState, batch: Batch, ref_params: Any = None, hparams: Any = None):
     h, policy_hp, _ = _unpack(cfg, hparams)
     f32 = jnp.float32
-    mask = batch.action_mask.astype(f32) * batch.row_mask.astype(f32)[:, None]
-    advantages = losses.broadcast_to_tokens(group_advantages(cfg, _row_reward(batch)), mask)
+    seg, real = batch.segment_ids, batch.segment_mask.astype(f32)
+    mask = batch.action_mask.astype(f32) * losses.sequence_to_tokens(real, seg)
+    adv = group_advantages(cfg, _trajectory_rewards(batch), batch.group_ids, real)
+    advantages = jnp.where(mask > 0, losses.sequence_to_tokens(adv, seg), 0.0)
     if cfg.whiten_advantages:
       advantages = losses.whiten(advantages, mask)
     advantages = jax.lax.stop_gradient(advantages)
-    data = {'tokens': batch.tokens, 'behavior_logprobs': batch.behavior_logprobs,
+    data = {'tokens': batch.tokens, 'segment_ids': seg, 'behavior_logprobs': batch.behavior_logprobs,
             'advantages': advantages, 'mask': mask}
     policy_ts, policy_m = _policy_phase(cfg, policy_spec, ref_graphdef, state.policy, data, ref_params,
-                                        None, mesh, h, policy_hp)
+                                        None, mesh, h, policy_hp, batch.num_segments)
     metrics = {
         **_prefixed('policy', policy_m),
         **_advantage_metrics(advantages, mask),

@@ -325,24 +325,40 @@ def adaptive_lambda(action_mask: jax.Array, alpha: float | jax.Array = 1.5, segm
   return lam[:, 0] if segment_ids is None else lam
 
 
-def action_span_mask(action_mask: jax.Array) -> jax.Array:
-  """The tokens from a row's first action token to its last, observations between them included.
+def action_span_mask(action_mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+  """The tokens from a sequence's first action token to its last, observations between them included.
 
-  `span[b, t] = 1` iff `any(m[b, :t+1] > 0) and any(m[b, t:] > 0)`. GAE over this mask instead of the action
-  mask runs the TD chain *through* the observation tokens (each one a step with reward 0 and its own value):
-  the ablation of SAO's skip-observation GAE. On a single-turn row it equals the action mask.
+  `span[b, t] = 1` iff an action token of t's sequence lies at or before t and one at or after t (a sequence:
+  the row, or with `segment_ids` t's segment). GAE over this mask instead of the action mask runs the TD chain
+  *through* the observation tokens (each one a step with reward 0 and its own value): the ablation of SAO's
+  skip-observation GAE. On a single-turn sequence it equals the action mask.
 
   Args:
     action_mask: `[B, T]`.
+    segment_ids: `[B, T]` int, packed sequences (contiguous runs), or None.
 
   Returns:
     float32 `[B, T]`.
   """
   chex.assert_rank(action_mask, 2)
   acted = (action_mask > 0).astype(jnp.int32)
-  after_first = jnp.cumsum(acted, axis=1) > 0
-  before_last = jnp.cumsum(acted[:, ::-1], axis=1)[:, ::-1] > 0
-  return (after_first & before_last).astype(jnp.float32)
+  if segment_ids is None:
+    after_first = jnp.cumsum(acted, axis=1) > 0
+    before_last = jnp.cumsum(acted[:, ::-1], axis=1)[:, ::-1] > 0
+    return (after_first & before_last).astype(jnp.float32)
+  seg = jnp.asarray(segment_ids, jnp.int32)
+  t = seg.shape[1]
+  idx = jnp.arange(t, dtype=jnp.int32)
+  starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  ends = jnp.concatenate([seg[:, 1:] != seg[:, :-1], jnp.ones_like(seg[:, :1], bool)], axis=1)
+  c = jnp.cumsum(acted, axis=1)
+  first = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)  # Start of t's segment.
+  last = jax.lax.cummin(jnp.where(ends, idx, t - 1), axis=1, reverse=True)  # Its end.
+  before = jnp.take_along_axis(c - acted, first, axis=1)  # Actions before the segment.
+  upto_end = jnp.take_along_axis(c, last, axis=1)
+  after_first = c - before > 0
+  before_last = upto_end - (c - acted) > 0
+  return (after_first & before_last & (seg > 0)).astype(jnp.float32)
 
 
 def _group_mean(rewards: jax.Array) -> jax.Array:

@@ -13,8 +13,9 @@
 - `episodes`: `EpisodeLimits`, `run_episodes` (batched, multi-turn), `run_episode` (one episode, same loop),
   `replay_episode` (given action texts through the same loop: reference episodes).
 - `layout`: `Turn`, `episode_to_trajectory`, `message_observation_ids`, `stop_ids_for`, `safe_decode`.
-- `pack`: `pack(...) -> Packed(batch, kept, dropped)`, `select` (what a batch can take), `check_batch`,
-  `DROP_REASONS`.
+- `pack`: `pack(...) -> Packed(batch, kept, dropped)` (one trajectory per row, or several: `packing`),
+  `plan_packing`, `allowed_rows`, `select` (what a batch can take), `check_batch`, `padding_fraction`,
+  `DROP_REASONS`, `PACKINGS`.
 - `trajectory_queue`: the bounded `TrajectoryQueue` between actors and the learner (staleness, whole groups).
 - `prompts`: `PromptSource` (the shared, numbered prompt stream), `ProcessShard` (one process's share).
 - `actor`: `make_engine`, `Actor`, `ActorThread` (what the trainer runs).
@@ -24,5 +25,6 @@ from sao_jax.rollout.backends import (Backend, ContextBackend, GenerateFn, Gener
                                      task_stop_ids)
 from sao_jax.rollout.episodes import EpisodeLimits, episode_seed, replay_episode, run_episode, run_episodes
 from sao_jax.rollout.layout import Turn, episode_to_trajectory, message_observation_ids, safe_decode, stop_ids_for
-from sao_jax.rollout.pack import DROP_REASONS, Packed, check_batch, pack, select
+from sao_jax.rollout.pack import (DROP_REASONS, PACKINGS, Packed, allowed_rows, check_batch, pack, padding_fraction,
+                                 plan_packing, select)
 from sao_jax.rollout.trajectory_queue import BatchDraw, QueueClosed, TrajectoryQueue

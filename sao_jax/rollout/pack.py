@@ -1,14 +1,22 @@
-"""Trajectories -> one learner `Batch` (host numpy arrays, right-padded, bucketed length).
+"""Trajectories -> one learner `Batch` (host numpy arrays, right-padded, bucketed length), packed or not.
 
     packed = pack(trajs, seq_buckets=config.trainer.seq_buckets, pad_id=tokenizer.pad_id,
                   rows=config.trainer.batch_size, group_size=config.algo.group_size,
-                  truncation=config.algo.truncation)
+                  truncation=config.algo.truncation, packing=config.trainer.pack, ...)
     packed.batch, packed.dropped, packed.kept
 
-Row b of the batch is trajectory `kept[b]`: its tokens, action mask and behaviour log-probs, right-padded to
-T = the smallest of `seq_buckets` >= the longest row; `rewards[b, t] = reward` exactly at the row's last action
-token (0 elsewhere); `truncated`, `group_ids`, `policy_version` (the oldest turn version) per row; `row_mask`
-1 on real rows and 0 on the padding rows added up to `rows`.
+`packing='none'`: row b of the batch is trajectory `kept[b]` (one segment per row, S = 1), right-padded to
+T = the smallest of `seq_buckets` >= the longest row; padding rows (`segment_mask` 0) fill it up to `rows`.
+
+`packing='ffd'` / `'fixed'`: several trajectories per row (at most `segments`), placed first-fit decreasing
+(longest first, each into the first row with room), as contiguous segments numbered 1..S (`segment_ids`).
+'ffd' tries every bucket length that holds the longest trajectory and keeps the (rows, T) of least area; 'fixed'
+packs into rows of one length (`pack_len`, or the largest bucket). The row count is the smallest allowed one
+that takes every trajectory (`allowed_rows`: a multiple of `row_multiple` from a sparse set, so few shapes
+compile).
+
+In every layout `rewards[b, t] = reward` exactly at a trajectory's last action token (0 elsewhere), and
+`truncated`, `group_ids`, `policy_version` (the oldest turn version) and `segment_mask` are per segment `[B, S]`.
 
 Dropped (counted in `dropped`, by reason): a truncated row that cannot be bootstrapped from a state the
 critic is trained on (`Trajectory.bootstrappable` False: 'not_bootstrappable'), every truncated row under
@@ -28,6 +36,7 @@ import numpy as np
 from sao_jax import structs
 
 DROP_REASONS = ('not_bootstrappable', 'truncated', 'env_error', 'group_incomplete')
+PACKINGS = ('none', 'ffd', 'fixed')
 
 
 class Packed(NamedTuple):
@@ -35,7 +44,7 @@ class Packed(NamedTuple):
 
   Attributes:
     batch: the `Batch` of numpy arrays (`structs.BATCH_FIELDS` dtypes).
-    kept: index (into the input) of the trajectory in each real row, in row order.
+    kept: index (into the input) of each trajectory in the batch, in (row, segment) order.
     dropped: reason -> number of dropped trajectories (reasons in `DROP_REASONS`; only non-zero ones).
   """
   batch: structs.Batch
@@ -103,17 +112,76 @@ def select(trajectories: Sequence[structs.Trajectory], *, group_size: int = 1,
   return kept, dropped
 
 
+def _first_fit_decreasing(lengths: Sequence[int], capacity: int, segments: int) -> list[list[int]]:
+  """Bins (lists of indices into `lengths`) of total length <= `capacity` and at most `segments` items each:
+  longest first, each into the first bin with room (ties by index: deterministic)."""
+  bins: list[list[int]] = []
+  room: list[int] = []
+  for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+    for k, r in enumerate(room):
+      if lengths[i] <= r and len(bins[k]) < segments:
+        bins[k].append(i)
+        room[k] -= lengths[i]
+        break
+    else:
+      bins.append([i])
+      room.append(capacity - lengths[i])
+  return bins
+
+
+def allowed_rows(needed: int, row_multiple: int) -> int:
+  """The smallest `row_multiple * m` >= `needed` rows whose `m` has at most 4 significant binary digits (1..16,
+  18, 20, .., 32, 36, ..): at most 8 row counts per doubling, so a run compiles few update shapes, and the rounding
+  adds under 1/8 of the rows (a power of two would add up to 1/2: 35% padding on a long-tailed mix)."""
+  m = -(-max(int(needed), 1) // max(1, int(row_multiple)))
+  shift = max(0, m.bit_length() - 4)
+  return ((m + (1 << shift) - 1) >> shift << shift) * max(1, int(row_multiple))
+
+
+def plan_packing(lengths: Sequence[int], *, seq_buckets: Sequence[int], packing: str, segments: int,
+                 row_multiple: int = 1, pack_len: int = 0) -> tuple[int, int, list[list[int]]]:
+  """`(rows, T, bins)` for trajectories of `lengths` (see the module docstring); `bins[r]` = the trajectories of
+  row r, in segment order. Raises ValueError if the longest does not fit the largest allowed length."""
+  buckets = sorted(int(x) for x in seq_buckets)
+  longest = max(lengths, default=1)
+  if packing == 'fixed':
+    candidates = [int(pack_len) or buckets[-1]]
+  elif packing == 'ffd':
+    candidates = [x for x in buckets if x >= longest]
+  else:
+    raise ValueError(f'packing={packing!r}: expected one of {PACKINGS} (config.trainer.pack).')
+  candidates = [x for x in candidates if x >= longest]
+  if not candidates:
+    raise ValueError(f'A trajectory of {longest} tokens does not fit config.trainer.seq_buckets={tuple(buckets)}'
+                     + (f' / config.trainer.pack_len={pack_len}' if packing == 'fixed' else '')
+                     + ' (raise it to at least config.sampler.max_seq_len).')
+  best = None
+  for t_len in candidates:
+    bins = _first_fit_decreasing(lengths, t_len, segments)
+    rows = allowed_rows(len(bins), row_multiple)
+    if best is None or rows * t_len < best[0] * best[1]:
+      best = (rows, t_len, bins)
+  return best
+
+
 def pack(trajectories: Sequence[structs.Trajectory], *, seq_buckets: Sequence[int], pad_id: int,
-         rows: int | None = None, group_size: int = 1, truncation: str = 'bootstrap') -> Packed:
+         rows: int | None = None, group_size: int = 1, truncation: str = 'bootstrap', packing: str = 'none',
+         segments: int = 1, row_multiple: int = 1, pack_len: int = 0) -> Packed:
   """Packs trajectories into a learner batch (see the module docstring).
 
   Args:
     trajectories: finished episodes, groups (when `group_size > 1`) as consecutive runs.
     seq_buckets: allowed batch lengths (`config.trainer.seq_buckets`).
     pad_id: token id of the padding.
-    rows: number of rows of the batch (padding rows with `row_mask=0` fill it); default: the kept rows.
+    rows: number of rows of the batch (padding rows with `segment_mask=0` fill it); default: the kept
+      trajectories ('none'), the plan's rows (packed; several processes agree on one count this way).
     group_size: rollouts per prompt (`config.algo.group_size`); 1 = no groups.
     truncation: `config.algo.truncation`: 'bootstrap' keeps bootstrappable truncated rows, 'drop' drops all.
+    packing: 'none', 'ffd' or 'fixed' (`config.trainer.pack`).
+    segments: packed: trajectories per row at most (S, `config.trainer.pack_segments`).
+    row_multiple: packed: the row count is a multiple of this (`allowed_rows`; the data shards times the minibatches
+      and microbatches of an update, so each splits evenly).
+    pack_len: 'fixed': the row length (0 = the largest bucket).
 
   Returns:
     A `Packed` (batch, kept indices, drop counts).
@@ -126,59 +194,111 @@ def pack(trajectories: Sequence[structs.Trajectory], *, seq_buckets: Sequence[in
   if not buckets:
     raise ValueError('config.trainer.seq_buckets is empty.')
   kept, dropped = select(trajectories, group_size=group_size, truncation=truncation)
-  b = len(kept) if rows is None else int(rows)
-  if len(kept) > b:
-    raise ValueError(f'{len(kept)} trajectories to pack into {b} rows.')
-  if b % group_size:
-    raise ValueError(f'rows={b} is not a multiple of config.algo.group_size={group_size}.')
-  longest = max((len(trajectories[i].tokens) for i in kept), default=0)
-  fits = [x for x in buckets if x >= longest]
-  if not fits:
-    raise ValueError(f'A trajectory of {longest} tokens does not fit config.trainer.seq_buckets={tuple(buckets)} '
-                     '(raise the largest bucket to at least config.sampler.max_seq_len).')
-  t_len = fits[0]
+  lengths = [len(trajectories[i].tokens) for i in kept]
+  if packing == 'none':
+    b = len(kept) if rows is None else int(rows)
+    if len(kept) > b:
+      raise ValueError(f'{len(kept)} trajectories to pack into {b} rows.')
+    if b % group_size:
+      raise ValueError(f'rows={b} is not a multiple of config.algo.group_size={group_size}.')
+    fits = [x for x in buckets if x >= max(lengths, default=0)]
+    if not fits:
+      raise ValueError(f'A trajectory of {max(lengths)} tokens does not fit config.trainer.seq_buckets='
+                       f'{tuple(buckets)} (raise the largest bucket to at least config.sampler.max_seq_len).')
+    t_len, s_len = fits[0], 1
+    bins = [[j] for j in range(len(kept))] + [[] for _ in range(b - len(kept))]
+  else:
+    if segments < 1:
+      raise ValueError(f'segments={segments} must be >= 1 (config.trainer.pack_segments).')
+    b, t_len, bins = plan_packing(lengths, seq_buckets=buckets, packing=packing, segments=segments,
+                                  row_multiple=row_multiple, pack_len=pack_len)
+    if rows is not None:
+      if int(rows) < len(bins) or int(rows) % max(1, int(row_multiple)):
+        raise ValueError(f'rows={rows}: the trajectories need {len(bins)} packed rows, and the count must be a '
+                         f'multiple of {row_multiple}.')
+      b = int(rows)
+    bins += [[] for _ in range(b - len(bins))]
+    s_len = int(segments)
 
-  host = {k: np.zeros((b,) + ((t_len,) if rank == 2 else ()), dtype) for k, (rank, dtype) in
-          structs.BATCH_FIELDS.items()}
+  host = {k: np.zeros(structs.Batch.field_shape(k, b, t_len, s_len), dtype)
+          for k, (_, dtype) in structs.BATCH_FIELDS.items()}
   host['tokens'][:] = pad_id
   host['group_ids'][:] = -1
-  for row, i in enumerate(kept):
-    traj = trajectories[i]
-    n = len(traj.tokens)
-    host['tokens'][row, :n] = traj.tokens
-    host['action_mask'][row, :n] = traj.action_mask
-    host['behavior_logprobs'][row, :n] = np.where(traj.action_mask, traj.behavior_logprobs, 0.0)
-    host['rewards'][row, traj.last_action_index] = traj.reward
-    host['truncated'][row] = traj.truncated
-    host['group_ids'][row] = traj.group_id
-    host['row_mask'][row] = 1.0
-    host['policy_version'][row] = traj.policy_version
+  order = []
+  for row, members in enumerate(bins):
+    start = 0
+    for s, j in enumerate(members):
+      i = kept[j]
+      order.append(i)
+      traj = trajectories[i]
+      n = len(traj.tokens)
+      span = slice(start, start + n)
+      host['tokens'][row, span] = traj.tokens
+      host['action_mask'][row, span] = traj.action_mask
+      host['behavior_logprobs'][row, span] = np.where(traj.action_mask, traj.behavior_logprobs, 0.0)
+      host['rewards'][row, start + traj.last_action_index] = traj.reward
+      host['segment_ids'][row, span] = s + 1
+      host['truncated'][row, s] = traj.truncated
+      host['group_ids'][row, s] = traj.group_id
+      host['segment_mask'][row, s] = 1.0
+      host['policy_version'][row, s] = traj.policy_version
+      start += n
   batch = structs.Batch.of_host(SimpleNamespace(**host))
   check_batch(batch)
-  return Packed(batch, kept, {k: v for k, v in dropped.items() if v})
+  return Packed(batch, order, {k: v for k, v in dropped.items() if v})
+
+
+def padding_fraction(batch: structs.Batch) -> float:
+  """Share of the batch's token slots that hold no trajectory (padding), host side."""
+  return float(np.mean(np.asarray(batch.segment_ids) == 0))
 
 
 def check_batch(batch: structs.Batch) -> None:
-  """Host check of the reward contract of a packed batch (numpy or fetched arrays).
+  """Host check of the layout and reward contract of a packed batch (numpy or fetched arrays).
 
-  Every real row (`row_mask` 1) has an action token; a nonzero reward sits only on a real row's LAST action
-  token (never on a prompt, observation or padding token, nor on an earlier action token).
+  Segments are contiguous runs numbered 1, 2, ... from the row's start, padding (0) only after the last; a
+  segment is real (`segment_mask` 1) exactly when it has tokens; every real segment has an action token; a
+  nonzero reward sits only on a real segment's LAST action token (never on a prompt, observation or padding
+  token, nor on an earlier action token).
 
   Raises:
-    ValueError: naming the first offending (row, position).
+    ValueError: naming the first offending (row, position) or (row, segment).
   """
+  seg = np.asarray(batch.segment_ids)
   mask = np.asarray(batch.action_mask) > 0
   rewards = np.asarray(batch.rewards)
-  real = np.asarray(batch.row_mask) > 0
-  empty = np.flatnonzero(real & ~mask.any(axis=1))
+  real = np.asarray(batch.segment_mask) > 0
+  b, t = seg.shape
+  s_len = real.shape[1]
+  prev, nxt = seg[:, :-1], seg[:, 1:]
+  ok = (nxt == prev) | ((prev > 0) & ((nxt == prev + 1) | (nxt == 0)))  # Same, next segment, or padding after.
+  bad_rows = np.flatnonzero(~ok.all(axis=1) | (seg[:, 0] > 1) | (seg.max(axis=1) > s_len))
+  if bad_rows.size:
+    r = int(bad_rows[0])
+    raise ValueError(f'Row {r}: segment ids {seg[r].tolist()[:64]} are not contiguous runs 1, 2, ... <= '
+                     f'{s_len} followed by padding 0.')
+  ids = np.arange(1, s_len + 1)
+  has_tokens = (seg[:, :, None] == ids).any(axis=1)
+  has_action = ((seg[:, :, None] == ids) & mask[:, :, None]).any(axis=1)
+  wrong = np.argwhere(has_tokens != real)
+  if wrong.size:
+    r, s = wrong[0].tolist()
+    raise ValueError(f'Row {r}, segment {s + 1}: segment_mask {int(real[r, s])} but it has '
+                     f'{"tokens" if has_tokens[r, s] else "no tokens"}.')
+  empty = np.argwhere(real & ~has_action)
   if empty.size:
-    raise ValueError(f'Row {int(empty[0])} has no action token.')
-  positions = np.arange(mask.shape[1])
-  last = np.max(np.where(mask, positions, -1), axis=1)
-  allowed = real[:, None] & (positions[None, :] == last[:, None])
+    r, s = empty[0].tolist()
+    raise ValueError(f'Row {r}, segment {s + 1} has no action token.' if s_len > 1 else
+                     f'Row {r} has no action token.')
+  positions = np.arange(t)
+  last = np.full((b, s_len + 1), -1)
+  for s in range(1, s_len + 1):
+    last[:, s] = np.max(np.where(mask & (seg == s), positions, -1), axis=1)
+  last_of_token = np.take_along_axis(last, seg, axis=1)
+  allowed = (seg > 0) & (positions[None, :] == last_of_token)
   bad = np.argwhere((rewards != 0) & ~allowed)
   if bad.size:
-    r, t = bad[0].tolist()
-    where = 'a padding row' if not real[r] else ('an earlier action token' if mask[r, t] else 'a non-action token')
-    raise ValueError(f'Reward {rewards[r, t]} at (row {r}, position {t}) sits on {where}; rewards belong on '
-                     'the last action token of a row.')
+    r, p = bad[0].tolist()
+    where = ('padding' if seg[r, p] == 0 else 'an earlier action token' if mask[r, p] else 'a non-action token')
+    raise ValueError(f'Reward {rewards[r, p]} at (row {r}, position {p}) sits on {where}; rewards belong on '
+                     'the last action token of a trajectory.')

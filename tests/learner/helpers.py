@@ -61,9 +61,16 @@ def batch(seed: int = 0, rows: int = B, length: int = T, pad_rows: int = 1) -> B
   truncated[1] = True
   row_mask = np.ones(rows, np.float32)
   row_mask[rows - pad_rows:] = 0
-  return Batch(tokens=tokens, action_mask=am, behavior_logprobs=blp, rewards=rewards, truncated=truncated,
-               group_ids=(np.arange(rows) // 2).astype(np.int32), row_mask=row_mask,
-               policy_version=np.zeros(rows, np.int32))
+  return Batch.from_rows(tokens=tokens, action_mask=am, behavior_logprobs=blp, rewards=rewards,
+                         lengths=np.full(rows, 14), truncated=truncated,
+                         group_ids=(np.arange(rows) // 2).astype(np.int32), row_mask=row_mask)
+
+
+def whole_rows(batch: Batch) -> Batch:
+  """`batch` with every row one real trajectory filling it (after replacing tokens of every row)."""
+  rows, t = batch.shape
+  return batch.replace(segment_ids=np.ones((rows, t), np.int32), segment_mask=np.ones((rows, 1), np.float32),
+                       truncated=np.zeros((rows, 1), bool))
 
 
 def host(tree):

@@ -269,8 +269,8 @@ class OverfitTest(absltest.TestCase):
     p0 = np.exp(current()[0, 8])
     for _ in range(12):
       blp = current() * action  # On-policy behaviour log-probs, the same fixed batch every step.
-      batch = H.batch(0).replace(tokens=tokens, action_mask=action, behavior_logprobs=blp, rewards=rewards,
-                                 truncated=np.zeros(rows, bool), row_mask=np.ones(rows, np.float32))
+      batch = H.whole_rows(H.batch(0).replace(tokens=tokens, action_mask=action, behavior_logprobs=blp,
+                                              rewards=rewards))
       learner.update(batch)
     p1 = np.exp(current()[0, 8])
     self.assertGreater(p1, 3 * p0, f'pi(good) went {p0:.4f} -> {p1:.4f}')
@@ -278,12 +278,12 @@ class OverfitTest(absltest.TestCase):
 
 class GroupLayoutTest(absltest.TestCase):
 
-  def test_groups_must_be_contiguous(self):
+  def test_groups_must_be_whole(self):
     learner, _, _ = _runs('grpo', (1, 1))
-    b = H.batch(0)
-    b = b.replace(group_ids=np.array([0, 1, 0, 1, 2, 2, 3, 3], np.int32))
-    with self.assertRaisesRegex(ValueError, 'not one whole group'):
-      learner.put_batch(b)
+    b = H.batch(0, pad_rows=0)
+    learner.put_batch(b.replace(group_ids=np.array([0, 1, 0, 1, 2, 2, 3, 3], np.int32)[:, None]))  # Any order.
+    with self.assertRaisesRegex(ValueError, 'group id 0 has 3 trajectories'):
+      learner.put_batch(b.replace(group_ids=np.array([0, 1, 0, 0, 2, 2, 3, 3], np.int32)[:, None]))
 
   def test_algorithm_names_select_their_preset(self):
     c = H.config('gspo')  # Sets clip_mode='ppo': an ablation of gspo, recorded (config_lib_test pins presets).
@@ -310,7 +310,7 @@ class GroupAdvantagesTest(parameterized.TestCase):
     from sao_jax.learner import steps  # pylint: disable=g-import-not-at-top
     cfg = StepConfig.from_config(H.config(algo, **overrides))
     rewards = jnp.array([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 3.0, 1.0])
-    adv = np.asarray(steps.group_advantages(cfg, rewards))
+    adv = np.asarray(steps.group_advantages(cfg, rewards, jnp.arange(8) // 2, jnp.ones(8)))
     np.testing.assert_allclose(adv[:2], first_group, rtol=1e-4)
     np.testing.assert_allclose(adv[2:6], 0.0, atol=1e-6)  # Groups with equal rewards get exactly 0.
     self.assertGreater(adv[6], 0.0)

@@ -215,8 +215,8 @@ class LearnerStateTest(absltest.TestCase):
     p0 = np.exp(current()[0, 8])
     for _ in range(12):
       blp = current() * action
-      learner.update(H.batch(0).replace(tokens=tokens, action_mask=action, behavior_logprobs=blp, rewards=rewards,
-                                        truncated=np.zeros(rows, bool), row_mask=np.ones(rows, np.float32)))
+      learner.update(H.whole_rows(H.batch(0).replace(tokens=tokens, action_mask=action, behavior_logprobs=blp,
+                                                     rewards=rewards)))
     p1 = np.exp(current()[0, 8])
     self.assertEqual(int(H.host(learner.state.policy.skipped)), 0)
     self.assertEqual(dtypes(), ({BF16}, {BF16}))  # The updates kept every dtype.

@@ -240,9 +240,9 @@ def sao_step(policy: nnx.Module, critic: nnx.Module, batch, s: Settings, variant
   """One SAO learner step from the formulas (module docstring); `real_tokens[B, T]` marks non-padding tokens."""
   v = variant
   tokens = np.asarray(batch.tokens)
-  mask = np.asarray(batch.action_mask, np.float64) * np.asarray(batch.row_mask, np.float64)[:, None]
+  mask = np.asarray(batch.action_mask, np.float64) * np.asarray(batch.segment_mask, np.float64)[:, :1]
   rewards = np.asarray(batch.rewards, np.float64)
-  truncated = np.asarray(batch.truncated, bool)
+  truncated = np.asarray(batch.truncated, bool)[:, 0]
   behavior = np.asarray(batch.behavior_logprobs, np.float64)
   rows = tokens.shape[0]
 
@@ -315,7 +315,7 @@ def grpo_advantages(row_rewards: np.ndarray, s: Settings, variant: GrpoVariant =
 def grpo_step(policy: nnx.Module, batch, s: Settings, variant: GrpoVariant = GrpoVariant()) -> StepResult:
   """One GRPO learner step with the PPO clip from the formulas (module docstring)."""
   tokens = np.asarray(batch.tokens)
-  mask = np.asarray(batch.action_mask, np.float64) * np.asarray(batch.row_mask, np.float64)[:, None]
+  mask = np.asarray(batch.action_mask, np.float64) * np.asarray(batch.segment_mask, np.float64)[:, :1]
   row_rewards = (np.asarray(batch.rewards, np.float64) * mask).sum(axis=1)
   adv_rows = grpo_advantages(row_rewards, s, variant)
   advantages = adv_rows[:, None] * mask

@@ -195,10 +195,9 @@ def _sao(gae_over: str = 'actions') -> Run:
   truncated[list(SAO_TRUNCATED)] = True
   row_mask = np.ones(rows, np.float32)
   row_mask[SAO_PADDING_ROW] = 0.0
-  batch = Batch(tokens=tokens, action_mask=action,
-                behavior_logprobs=_behavior(_initial_logprobs(policy, tokens), action, seed=0), rewards=rewards,
-                truncated=truncated, group_ids=np.full(rows, -1, np.int32), row_mask=row_mask,
-                policy_version=np.zeros(rows, np.int32))
+  batch = Batch.from_rows(tokens=tokens, action_mask=action,
+                          behavior_logprobs=_behavior(_initial_logprobs(policy, tokens), action, seed=0),
+                          rewards=rewards, lengths=real.sum(axis=1), truncated=truncated, row_mask=row_mask)
   return _run_learner('sao', SAO, policy, critic, batch, real, gae_over)
 
 
@@ -213,10 +212,10 @@ def _grpo() -> Run:
   policy = Decoder(H.MODEL, rngs=nnx.Rngs(3))
   tokens, action, real, rewards = _layout(SEGMENTS_GRPO, GRPO_REWARDS, seed=1)
   rows = len(tokens)
-  batch = Batch(tokens=tokens, action_mask=action,
-                behavior_logprobs=_behavior(_initial_logprobs(policy, tokens), action, seed=1), rewards=rewards,
-                truncated=np.zeros(rows, bool), group_ids=(np.arange(rows) // GRPO.group_size).astype(np.int32),
-                row_mask=np.ones(rows, np.float32), policy_version=np.zeros(rows, np.int32))
+  batch = Batch.from_rows(tokens=tokens, action_mask=action,
+                          behavior_logprobs=_behavior(_initial_logprobs(policy, tokens), action, seed=1),
+                          rewards=rewards, lengths=real.sum(axis=1),
+                          group_ids=(np.arange(rows) // GRPO.group_size).astype(np.int32))
   return _run_learner('grpo', GRPO, policy, None, batch, real)
 
 
@@ -297,7 +296,7 @@ class SaoReferenceStepTest(absltest.TestCase):
       self.assertGreater(abs(r.extra['bootstrap_new'][b]), 1e-2)
     self.assertTrue(real[SAO_TRUNCATED[-1], -1])  # One of them fills the row: its bootstrap is v at T - 1.
     # Rows of different lengths, adaptive lambdas all different and in (0, 1).
-    lam = r.extra['lam'][np.asarray(batch.row_mask) > 0]
+    lam = r.extra['lam'][np.asarray(batch.segment_mask[:, 0]) > 0]
     self.assertLen(set(np.round(lam, 6)), len(lam))
     self.assertTrue(np.all((lam > 0) & (lam < 1)))
     # The padding row is ignored (its junk reward would otherwise dominate).

@@ -47,10 +47,9 @@ def _batch(rows_segments, truncated, rewards, row_mask, seed=0) -> Batch:
   for b in range(len(tokens)):
     r[b, np.flatnonzero(action[b])[-1]] = rewards[b]
   blp = ((-np.log(H.VOCAB) + 0.1 * rng.standard_normal(action.shape)) * action).astype(np.float32)
-  rows = len(tokens)
-  return Batch(tokens=tokens, action_mask=action, behavior_logprobs=blp, rewards=r,
-               truncated=np.asarray(truncated, bool), group_ids=np.full(rows, -1, np.int32),
-               row_mask=np.asarray(row_mask, np.float32), policy_version=np.zeros(rows, np.int32))
+  lengths = [sum(n for _, n in segs) for segs in rows_segments]
+  return Batch.from_rows(tokens=tokens, action_mask=action, behavior_logprobs=blp, rewards=r, lengths=lengths,
+                         truncated=truncated, row_mask=row_mask)
 
 
 @functools.cache
@@ -69,16 +68,6 @@ def _learner(truncation: str, batch_size: int, **overrides) -> Learner:
                               'optim.optimizer': 'sgd', 'optim.grad_clip': 0.0, **overrides})
   return Learner(LearnerConfig.from_config(config), policy=policy, critic=critic, mesh=H.mesh(1, 1),
                  model_config=H.MODEL)
-
-
-class RealLengthsTest(absltest.TestCase):
-
-  def test_right_padding_is_trailing_pad_tokens_that_are_not_actions(self):
-    tokens = np.array([[5, 6, 7, 0, 0], [5, 0, 7, 0, 0], [5, 6, 0, 0, 0], [0, 0, 0, 0, 0], [5, 6, 7, 8, 9]])
-    action = np.zeros(tokens.shape, np.float32)
-    action[2, 1:3] = 1  # Row 2 ends on an action token equal to the pad id (eos == pad): it is real.
-    got = np.asarray(steps.real_lengths(jnp.asarray(tokens), jnp.asarray(action), 0))
-    np.testing.assert_array_equal(got, [3, 3, 3, 0, 5])
 
 
 class BootstrapTest(absltest.TestCase):

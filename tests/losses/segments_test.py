@@ -110,6 +110,17 @@ class SegmentedStatisticsTest(absltest.TestCase):
     np.testing.assert_array_equal(sums, [[1, 9, 0], [51, 0, 0]])
     np.testing.assert_array_equal(losses.sequence_to_tokens(sums, seg), [[1, 1, 9, 9, 9, 0], [51] * 6])
 
+  def test_action_span_per_segment(self):
+    _, _, m, seg, _, _, spans = _packed_case(3)
+    want = np.zeros(m.shape, np.float32)
+    for b, _, i0, i1 in spans:  # From a segment's first action token to its last; never across a boundary.
+      acted = i0 + np.flatnonzero(m[b, i0:i1])
+      if acted.size:
+        want[b, acted[0]:acted[-1] + 1] = 1.0
+    got = np.asarray(losses.action_span_mask(jnp.asarray(m, jnp.float32), jnp.asarray(seg)))
+    np.testing.assert_array_equal(got, want)
+    self.assertGreater(((got > 0) & ~m).sum(), 0)  # Observation gaps were filled.
+
   def test_adaptive_lambda_per_segment(self):
     _, _, m, seg, _, _, spans = _packed_case(1)
     lam = np.asarray(losses.adaptive_lambda(m, 1.5, seg, 4))

@@ -109,6 +109,17 @@ class DecoderTest(parameterized.TestCase):
     out = nnx.jit(lambda m, t, a, p: m(t, attention_mask=a, positions=p))(model, left, lmask, pos)
     np.testing.assert_allclose(out[0, 6:], alone[0], atol=2e-5, rtol=1e-5)
 
+  def test_packed_segments_equal_sequences_alone(self):
+    seg = jnp.array([[1, 1, 1, 1, 2, 2, 2, 3, 3, 0]], jnp.int32)
+    np.testing.assert_array_equal(llama.segment_positions(seg), [[0, 1, 2, 3, 0, 1, 2, 0, 1, 0]])
+    cfg = _tiny(num_kv_heads=1)
+    model = llama.Decoder(cfg, rngs=nnx.Rngs(4))
+    toks = _tokens(cfg, (1, 10), seed=4)
+    packed = nnx.jit(lambda m, t, s: m(t, segment_ids=s))(model, toks, seg)
+    for start, stop in ((0, 4), (4, 7), (7, 9)):
+      alone = _forward(model, toks[:, start:stop], None)
+      np.testing.assert_allclose(packed[0, start:stop], alone[0], atol=2e-5, rtol=1e-5, err_msg=f'{start}:{stop}')
+
   def test_scan_unrolled_and_remat_agree_in_value_and_grad(self):
     toks = _tokens(_tiny(), (2, 8))
 

@@ -40,13 +40,14 @@ class PackTest(parameterized.TestCase):
     np.testing.assert_allclose(batch.behavior_logprobs, [[0, 0, -0.1, -0.2, 0, -0.3, 0, 0],
                                                          [0, -0.4, -0.5, -0.6, 0, 0, 0, 0], [0] * 8])
     np.testing.assert_array_equal(batch.rewards, [[0, 0, 0, 0, 0, 1.0, 0, 0], [0, 0, 0, -0.5, 0, 0, 0, 0], [0] * 8])
-    np.testing.assert_array_equal(batch.row_mask, [1, 1, 0])
-    np.testing.assert_array_equal(batch.truncated, [False, False, False])
-    np.testing.assert_array_equal(batch.group_ids, [-1, -1, -1])
-    np.testing.assert_array_equal(batch.policy_version, [3, 2, 0])
-    for k, (rank, dtype) in structs.BATCH_FIELDS.items():
+    np.testing.assert_array_equal(batch.segment_mask[:, 0], [1, 1, 0])
+    np.testing.assert_array_equal(batch.truncated[:, 0], [False, False, False])
+    np.testing.assert_array_equal(batch.group_ids[:, 0], [-1, -1, -1])
+    np.testing.assert_array_equal(batch.policy_version[:, 0], [3, 2, 0])
+    np.testing.assert_array_equal(batch.segment_ids, [[1] * 7 + [0], [1] * 4 + [0] * 4, [0] * 8])
+    for k, (_, dtype) in structs.BATCH_FIELDS.items():
       self.assertEqual(getattr(batch, k).dtype, dtype, k)
-      self.assertEqual(getattr(batch, k).ndim, rank, k)
+      self.assertEqual(getattr(batch, k).shape, structs.Batch.field_shape(k, 3, 8, 1), k)
     self.assertEqual((packed.kept, packed.dropped), ([0, 1], {}))
     # rows=None: exactly the kept rows.
     self.assertEqual(rollout.pack([a, b], seq_buckets=(16, 8), pad_id=0).batch.shape, (2, 8))
@@ -59,8 +60,8 @@ class PackTest(parameterized.TestCase):
     packed = rollout.pack([ok, cut, lost, failed], seq_buckets=(8,), pad_id=0, rows=4)
     self.assertEqual(packed.kept, [0, 1])
     self.assertEqual(packed.dropped, {'not_bootstrappable': 1, 'env_error': 1})
-    np.testing.assert_array_equal(packed.batch.truncated, [False, True, False, False])
-    np.testing.assert_array_equal(packed.batch.row_mask, [1, 1, 0, 0])
+    np.testing.assert_array_equal(packed.batch.truncated[:, 0], [False, True, False, False])
+    np.testing.assert_array_equal(packed.batch.segment_mask[:, 0], [1, 1, 0, 0])
     packed = rollout.pack([ok, cut, lost], seq_buckets=(8,), pad_id=0, truncation='drop')
     self.assertEqual(packed.kept, [0])
     self.assertEqual(packed.dropped, {'truncated': 2})
@@ -85,7 +86,7 @@ class PackTest(parameterized.TestCase):
                      ['max_turns', 'max_new_tokens', 'max_seq_len'])
     packed = rollout.pack([turn_limit, length_cut, overflow], seq_buckets=(512,), pad_id=tok.pad_id, rows=3)
     self.assertEqual((packed.kept, packed.dropped), ([0, 1], {'not_bootstrappable': 1}))
-    np.testing.assert_array_equal(packed.batch.truncated, [True, True, False])
+    np.testing.assert_array_equal(packed.batch.truncated[:, 0], [True, True, False])
     np.testing.assert_array_equal(packed.batch.rewards, 0.0)
     # The turn-limit row ends on its final observation (non-action), the length-cut row on an action token.
     lengths = [len(turn_limit.tokens), len(length_cut.tokens)]
@@ -95,7 +96,7 @@ class PackTest(parameterized.TestCase):
   def test_groups(self):
     rows = [_traj(**_A, group_id=g) for g in (7, 7, 3, 3)]
     packed = rollout.pack(rows, seq_buckets=(8,), pad_id=0, rows=6, group_size=2)
-    np.testing.assert_array_equal(packed.batch.group_ids, [7, 7, 3, 3, -1, -1])
+    np.testing.assert_array_equal(packed.batch.group_ids[:, 0], [7, 7, 3, 3, -1, -1])
     # A group that loses a row is dropped whole.
     broken = list(rows)
     broken[3] = _traj(**_A, group_id=3, truncated=True, bootstrappable=False)
@@ -122,11 +123,62 @@ class PackTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, 'no action token'):
       rollout.pack([_traj([1, 2], [0, 0], [0, 0], 1.0)], seq_buckets=(8,), pad_id=0)
 
+  def test_packed_layout_first_fit_decreasing(self):
+    # Lengths 7, 4, 4, 3, 3, 2 (prompt + action each, reward on the last token) into rows of 8 tokens.
+    lens = [4, 7, 3, 4, 2, 3]
+    trajs = [_traj(list(range(10 + i, 10 + i + n)), [0] + [1] * (n - 1), [0] + [-0.1] * (n - 1), float(i + 1),
+                   group_id=i // 2, policy_version=i, truncated=(i == 3)) for i, n in enumerate(lens)]
+    packed = rollout.pack(trajs, seq_buckets=(8, 16), pad_id=0, packing='fixed', pack_len=8, segments=3,
+                          group_size=2, row_multiple=2)
+    batch = packed.batch
+    # FFD: 7 -> row 0; 4 (#0) -> row 1; 4 (#3) -> row 1; 3 (#2) -> row 2; 3 (#5) -> row 2; 2 (#4) -> row 2.
+    self.assertEqual(batch.shape, (4, 8))  # 3 rows needed, rounded up to a multiple of 2.
+    self.assertEqual(packed.kept, [1, 0, 3, 2, 5, 4])
+    np.testing.assert_array_equal(batch.segment_ids, [[1] * 7 + [0], [1] * 4 + [2] * 4, [1, 1, 1, 2, 2, 2, 3, 3],
+                                                      [0] * 8])
+    np.testing.assert_array_equal(batch.tokens[1], [10, 11, 12, 13, 13, 14, 15, 16])
+    np.testing.assert_array_equal(batch.rewards[2], [0, 0, 3, 0, 0, 6, 0, 5])
+    np.testing.assert_array_equal(batch.segment_mask, [[1, 0, 0], [1, 1, 0], [1, 1, 1], [0, 0, 0]])
+    np.testing.assert_array_equal(batch.group_ids, [[0, -1, -1], [0, 1, -1], [1, 2, 2], [-1, -1, -1]])
+    np.testing.assert_array_equal(batch.truncated[1], [False, True, False])
+    np.testing.assert_array_equal(batch.policy_version[2], [2, 5, 4])
+    self.assertAlmostEqual(rollout.padding_fraction(batch), 9 / 32)
+    # 'ffd' picks the bucket of least area: 4 x 8 (3 rows rounded up), 2 x 12 (7 + 4, 4 + 3 + 3 + 2), 2 x 32.
+    ffd = rollout.pack(trajs, seq_buckets=(8, 12, 32), pad_id=0, packing='ffd', segments=8, group_size=2,
+                       row_multiple=2).batch
+    self.assertEqual(ffd.shape, (2, 12))
+    # A row count given (processes agreeing on one): empty rows fill it; fewer than needed is refused.
+    self.assertEqual(rollout.pack(trajs, seq_buckets=(8,), pad_id=0, packing='fixed', segments=3, rows=6,
+                                  row_multiple=2).batch.shape, (6, 8))
+    with self.assertRaisesRegex(ValueError, 'need 3 packed rows'):
+      rollout.pack(trajs, seq_buckets=(8,), pad_id=0, packing='fixed', segments=3, rows=2)
+    self.assertEqual(int(ffd.segment_mask.sum()), 6)
+    with self.assertRaisesRegex(ValueError, 'does not fit'):
+      rollout.pack(trajs, seq_buckets=(8,), pad_id=0, packing='fixed', pack_len=6, segments=3)
+
+  def test_allowed_rows(self):
+    self.assertEqual([rollout.allowed_rows(n, 1) for n in range(1, 20)], list(range(1, 17)) + [18, 18, 20])
+    self.assertEqual([rollout.allowed_rows(n, 1) for n in (33, 37, 64, 65)], [36, 40, 64, 72])
+    self.assertEqual([rollout.allowed_rows(n, 3) for n in (0, 1, 3, 4, 48, 49)], [3, 3, 3, 6, 48, 54])
+    for n in range(1, 300):  # Under 1/8 of the rows added, at most 8 counts per doubling.
+      self.assertLess(rollout.allowed_rows(n, 1) - n, max(n / 8, 1))
+    self.assertEqual(len({rollout.allowed_rows(n, 1) for n in range(129, 257)}), 8)
+
+  def test_check_batch_catches_broken_segments(self):
+    trajs = [_traj(**_A), _traj(**_B)]
+    good = rollout.pack(trajs, seq_buckets=(16,), pad_id=0, packing='fixed', segments=2).batch
+    rollout.check_batch(good)
+    for seg in ([1] * 7 + [0] + [2] * 4 + [0] * 4, [2] * 7 + [1] * 4 + [0] * 5, [1] * 7 + [3] * 4 + [0] * 5):
+      with self.assertRaisesRegex(ValueError, 'not contiguous runs'):
+        rollout.check_batch(good.replace(segment_ids=np.array([seg], np.int32)))
+    with self.assertRaisesRegex(ValueError, 'segment_mask 0 but it has tokens'):
+      rollout.check_batch(good.replace(segment_mask=np.array([[1, 0]], np.float32)))
+
   def test_check_batch_catches_misplaced_rewards(self):
     good = rollout.pack([_traj(**_A), _traj(**_B)], seq_buckets=(8,), pad_id=0, rows=3).batch
     rollout.check_batch(good)
     for (r, t), where in (((0, 4), 'a non-action token'), ((0, 3), 'an earlier action token'),
-                          ((2, 0), 'a padding row'), ((1, 6), 'a non-action token')):
+                          ((2, 0), 'padding'), ((1, 6), 'padding')):
       rewards = np.array(good.rewards)
       rewards[r, t] = 2.0
       with self.assertRaisesRegex(ValueError, f'at \\(row {r}, position {t}\\) sits on {where}'):

@@ -58,8 +58,8 @@ def _tiled(x) -> int:
 def _update_arguments(learner):
   """The update's arguments: (the state, the batch and the reference policy; the step's scalar numbers, which the
   compiler drops where the algorithm does not read them)."""
-  batch = Batch.map_fields(lambda k, rank: jax.ShapeDtypeStruct(
-      (ROWS, SEQ)[:rank], BATCH_FIELDS[k][1], sharding=getattr(learner._batch_shardings, k)))  # pylint: disable=protected-access
+  batch = Batch.map_fields(lambda k: jax.ShapeDtypeStruct(
+      Batch.field_shape(k, ROWS, SEQ), BATCH_FIELDS[k][1], sharding=getattr(learner._batch_shardings, k)))  # pylint: disable=protected-access
   return jax.tree.leaves((learner.state, batch, learner.ref_state)), jax.tree.leaves(learner.hparams)
 
 
