@@ -179,7 +179,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   tr.max_staleness = 4  # Drop trajectories whose params version lags the learner by more than this.
   tr.queue_size = 64  # Bound of the trajectory queue (sampler blocks when full).
   tr.prefetch = True  # Async: draw, pack and place the next batch while the learner's update runs.
-  tr.seq_buckets = (128, 256, 512, 1024)  # Packed batch lengths are padded up to one of these.
+  tr.seq_buckets = (128, 256, 512, 1024)  # Batch row lengths: a row is padded up to one of these.
+  # Sequence packing (sao_jax/rollout/pack.py): 'none' = one trajectory per row, rows padded to the smallest bucket
+  # that holds the batch's longest; 'ffd' = several trajectories per row (attention and GAE within each), placed
+  # first-fit decreasing into the bucket length of least padded area; 'fixed' = the same into rows of pack_len.
+  # Packed, a step's row count varies (a multiple of data shards x minibatches x microbatches from a sparse set:
+  # rollout.allowed_rows): minibatch_size and microbatch_size then set how many parts a batch splits into, not
+  # the trajectories of each.
+  tr.pack = 'none'
+  tr.pack_segments = 8  # Packed: trajectories one row holds at most (S of the per-trajectory [B, S] fields).
+  tr.pack_len = 0  # pack='fixed': the row length (0 = the largest of seq_buckets; >= sampler.max_seq_len).
   tr.log_every = 1  # Learner steps between metric logs.
   tr.eval_every = 0  # Learner steps between evals (0 = off).
   tr.checkpoint_every = 50  # Learner steps between checkpoints (0 = off).

@@ -3,6 +3,12 @@
 Usage: `python -m sao_jax.main --config=configs/imo.py[:ANSWERBENCH_CSV]` with the benchmark's CSV
 (`Problem ID, Problem, Short Answer, ...`); default: a 4-problem sample in that layout (for smoke tests).
 A real run sets `--config.model.name=... --config.model.hf_dir=... --config.model.tokenizer=hf`.
+
+`configs/imo.py:long[,ANSWERBENCH_CSV]`: the long-reasoning recipe a pod run would use: replies up to 31744
+tokens in 32768-token episodes, the learner's rows packed (`trainer.pack='ffd'`: a long-tailed batch of lengths
+costs its tokens, not its longest reply times its rows), every decoder block rematerialised, attention without
+T x T scores (`model.attention_impl='auto'`: splash on TPU). Its memory per chip: `python -m sao_jax.tools.aot`
+(docs/benchmarks/attention.md).
 """
 
 import os
@@ -16,6 +22,9 @@ _SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  long = arg == 'long' or (arg or '').startswith('long,')
+  if long:
+    arg = arg[len('long,'):] or None
   c = base.get_config()
   c.task.name = 'math'
   c.task.max_turns = 1  # Single turn.
@@ -30,5 +39,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.max_new_tokens = 4096  # Long reasoning.
   c.sampler.max_seq_len = 5120  # Prompt + response.
   c.sampler.prompt_buckets = (256, 512, 1024)  # Olympiad statements are longer.
-  c.trainer.seq_buckets = (1024, 2048, 4096, 5120)  # Packed lengths.
+  c.trainer.seq_buckets = (1024, 2048, 4096, 5120)  # Row lengths.
+  if long:
+    c.sampler.max_new_tokens = 31744
+    c.sampler.max_seq_len = 32768
+    c.trainer.seq_buckets = (4096, 8192, 16384, 32768)
+    c.trainer.pack = 'ffd'  # Several replies per row: a short one no longer pads to the longest's length.
+    c.trainer.pack_segments = 16
+    c.model.remat = 'full'  # Keep only each block's input for the backward.
+    c.model.attention_impl = 'auto'
   return c

@@ -48,6 +48,7 @@ from sao_jax.losses.policy import CLIP_MODES
 from sao_jax.models import config as model_config_lib
 from sao_jax.models import hf_io
 from sao_jax.parallel import distributed
+from sao_jax.rollout.pack import PACKINGS
 from sao_jax.tokenizers import CharTokenizer
 
 __all__ = ['ConfigError', 'FIELDS', 'defaults', 'field_types', 'leaf_paths', 'validate']
@@ -228,6 +229,9 @@ FIELDS: dict[str, Check] = {
     'trainer.max_staleness': _bounds(ge=0),
     'trainer.queue_size': _bounds(ge=1, why='The trajectory queue must hold at least one trajectory.'),
     'trainer.seq_buckets': _buckets(),
+    'trainer.pack': _choice(PACKINGS),
+    'trainer.pack_segments': _bounds(ge=1),
+    'trainer.pack_len': _bounds(ge=0, why='0 = the largest of config.trainer.seq_buckets.'),
     'trainer.log_every': _bounds(ge=1),
     'trainer.eval_every': _bounds(ge=0, why='0 = off.'),
     'trainer.checkpoint_every': _bounds(ge=0, why='0 = off.'),
@@ -309,6 +313,9 @@ def _check_relations(config: ml_collections.ConfigDict) -> None:
   if max(tr.seq_buckets) < s.max_seq_len:
     raise ConfigError(f'config.trainer.seq_buckets={tuple(tr.seq_buckets)}: the largest must be >= '
                       f'config.sampler.max_seq_len={s.max_seq_len} (a whole episode is packed into one row).')
+  if tr.pack == 'fixed' and tr.pack_len and tr.pack_len < s.max_seq_len:
+    raise ConfigError(f'config.trainer.pack_len={tr.pack_len}: must be >= config.sampler.max_seq_len='
+                      f'{s.max_seq_len} (a whole episode is packed into one row), or 0.')
   per_call = max(a.group_size, s.batch_size // a.group_size * a.group_size)
   if tr.queue_size < per_call:
     raise ConfigError(f'config.trainer.queue_size={tr.queue_size}: must hold one sampler call\'s episodes '

@@ -24,6 +24,7 @@ start -> actors -> loop -> final eval and save (docs/design.md, Data flow). Rule
 from __future__ import annotations
 
 import collections
+import math
 import signal
 import threading
 import time
@@ -100,6 +101,34 @@ def _any_process(flag: bool, name: str = 'stop') -> bool:
 
 # ------------------------------------------------------------------------------------------------------------
 # Failed episodes.
+
+
+def _pack_batch(trajs: list, tr: Any, *, pad_id: int, rows: int, group_size: int, truncation: str,
+                row_multiple: int) -> rollout.Packed:
+  """This process's trajectories packed as its part of one global batch (`config.trainer.pack`).
+
+  Every process's part has the same shape. Unpacked: `rows` rows of the smallest bucket that holds every process's
+  longest trajectory. Packed: each process plans its rows; the processes agree on the longest row length, re-plan
+  at that length, and take the largest row count (a multiple of `row_multiple`), empty rows filling the rest.
+  """
+  buckets = tuple(int(b) for b in tr.seq_buckets)
+  many = jax.process_count() > 1
+  if tr.pack == 'none':
+    if many:  # One global batch, one length: the smallest bucket that fits every process's rows.
+      longest = parallel.process_max('batch_length', max(len(t.tokens) for t in trajs))
+      buckets = tuple(b for b in buckets if b >= longest) or buckets  # (None fits: pack names the long row.)
+    return rollout.pack(trajs, seq_buckets=buckets, pad_id=pad_id, rows=rows, group_size=group_size,
+                        truncation=truncation)
+  plan = dict(seq_buckets=buckets, packing=tr.pack, segments=int(tr.pack_segments), row_multiple=row_multiple,
+              pack_len=int(tr.pack_len))
+  packed_rows = None
+  if many:
+    lengths = [len(t.tokens) for t in trajs]
+    _, seq_len, _ = rollout.plan_packing(lengths, **plan)
+    plan.update(packing='fixed', pack_len=parallel.process_max('pack_length', seq_len))
+    packed_rows = parallel.process_max('pack_rows', rollout.plan_packing(lengths, **plan)[0])
+  return rollout.pack(trajs, pad_id=pad_id, rows=packed_rows, group_size=group_size, truncation=truncation,
+                      **plan)
 
 
 def _log_failures(trajectories: list) -> list[str]:
@@ -231,8 +260,8 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
                       f'{jax.process_count() * group_size}.')
   logging.info('Model %s: %.1fM parameters; algorithm %s (group size %d); mode %s.', model_config.name,
                model_config.num_params() / 1e6, cfg.name, group_size, tr.mode)
-  if jax.process_count() > 1:
-    # Every packed length's update compiled now, not inside `Learner.dispatch`: the first update (the first
+  if jax.process_count() > 1 and tr.pack == 'none':
+    # Every bucket length's update compiled now, not inside `Learner.dispatch`: the first update (the first
     # collective of the learner's devices) then starts right after the loop's `parallel.sync('step')` on every
     # process, however uneven the compiles were (gloo's 30 s window, `parallel.sync`).
     learner.compile_update(int(tr.batch_size), tuple(tr.seq_buckets))
@@ -366,6 +395,9 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
     return wall_before + time.perf_counter() - t_start
 
   rows = int(tr.batch_size) // jax.process_count()  # This process's rows of each global batch.
+  # Packed: the global row count splits into data shards x minibatches x microbatches (`steps.split_sizes`).
+  splits = parallel.batch_divisor(mesh) * cfg.minibatches * cfg.microbatches
+  row_multiple = splits // math.gcd(splits, jax.process_count())
   counts = {kind: int(carried(key)) for key, kind in CARRIED_TOTALS.items()}
   in_flight_seen = 0  # Of this process's actors (their counter starts at 0 here).
   trajectories_trained = counts.pop('trajectories')
@@ -464,12 +496,11 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
         dropped_pack.update(dropped)
         trajs += [got[i] for i in kept]
         staleness += [trajectory_queue.staleness([got[i]], version) for i in kept]
-      buckets = tuple(int(b) for b in tr.seq_buckets)
-      if jax.process_count() > 1:  # One global batch, one length: the smallest bucket that fits every process's rows.
-        longest = parallel.process_max('batch_length', max(len(t.tokens) for t in trajs))
-        buckets = tuple(b for b in buckets if b >= longest) or buckets  # (None fits: pack names the long row.)
-      packed = rollout.pack(trajs, seq_buckets=buckets, pad_id=tokenizer.pad_id, rows=rows,
-                            group_size=group_size, truncation=cfg.truncation)
+      packed = _pack_batch(trajs, tr, pad_id=tokenizer.pad_id, rows=rows, group_size=group_size,
+                           truncation=cfg.truncation, row_multiple=row_multiple)
+      if jax.process_count() > 1 and tr.pack != 'none':  # A new packed shape compiles before the step's sync.
+        local_rows, seq_len = packed.batch.shape
+        learner.compile_update(local_rows * jax.process_count(), (seq_len,), packed.batch.num_segments)
       counts['dropped_pack'] += sum(dropped_pack.values())
       # Episode timing of the batch (the loop benchmark's calibration of sao_jax.sim reads these).
       timing = {'episode/generate_s': float(np.mean([t.generate_seconds for t in trajs])),

@@ -63,7 +63,8 @@ def _set(config, path, value):
 
 
 def _config(name='base', **overrides):
-  c = importlib.import_module(f'configs.{name}').get_config()
+  name, _, arg = name.partition(':')
+  c = importlib.import_module(f'configs.{name}').get_config(arg or None)
   for path, value in overrides.items():
     _set(c, path.replace('__', '.'), value)
   return c
@@ -160,7 +161,7 @@ class FieldTableTest(parameterized.TestCase):
       cfg = model_config_of(c.model)
       self.assertEqual((cfg.remat, cfg.param_dtype), (want, 'bfloat16'))
 
-  @parameterized.parameters('base', 'arith', 'calculator', 'code', 'drift', 'imo', 'math')
+  @parameterized.parameters('base', 'arith', 'calculator', 'code', 'drift', 'imo', 'imo:long', 'math')
   def test_shipped_configs_validate_without_ablations(self, name):
     c = _config(name)
     resolved = config_lib.validate(c, log=False)
@@ -229,6 +230,9 @@ class BadConfigTest(parameterized.TestCase):
       ('batch_not_split_over_mesh', {'trainer.batch_size': 12}, 'trainer.batch_size'),
       ('seq_buckets_too_short', {'trainer.seq_buckets': (64, 128)}, 'trainer.seq_buckets'),
       ('seq_buckets_unordered', {'trainer.seq_buckets': (512, 256)}, 'trainer.seq_buckets'),
+      ('pack', {'trainer.pack': 'bfd'}, 'trainer.pack'),
+      ('pack_segments_0', {'trainer.pack': 'ffd', 'trainer.pack_segments': 0}, 'trainer.pack_segments'),
+      ('pack_len_too_short', {'trainer.pack': 'fixed', 'trainer.pack_len': 128}, 'trainer.pack_len'),
       ('algo_name', {'algo.name': 'a2c'}, 'algo.name'),
       ('algo_domain', {'algo.domain': 'vision'}, 'algo.domain'),
       ('task_name', {'task.name': 'chess'}, 'task.name'),

@@ -65,6 +65,8 @@ def _update_programs(raw_config: Any, cfg: ModelConfig, mesh: Mesh, rows: int, s
   their costs; and the run's (abstract) learner."""
   from sao_jax import config_lib  # pylint: disable=g-import-not-at-top
   out, first = [], None
+  # Packed rows (`trainer.pack`) carry per-segment fields [rows, S]; as many rows as trajectories bounds a step.
+  segments = int(raw_config.trainer.pack_segments) if raw_config.trainer.pack != 'none' else 1
   names = [str(raw_config.algo.name)]
   if grpo and names[0] in algo_lib.CRITIC_ALGOS:
     names.append('grpo')
@@ -74,8 +76,10 @@ def _update_programs(raw_config: Any, cfg: ModelConfig, mesh: Mesh, rows: int, s
     c = config_lib.validate(c, devices=list(mesh.devices.flat), log=False)
     learner = _learner(c, cfg, mesh)
     first = first or learner
-    prog = aot.compile_program(f'update ({name})', lambda learner=learner: learner.lower_update(rows, seq_len),
-                               args=learner.state, note=f'{rows} x {seq_len} tokens')
+    prog = aot.compile_program(f'update ({name})',
+                               lambda learner=learner: learner.lower_update(rows, seq_len, segments),
+                               args=learner.state, note=f'{rows} x {seq_len} tokens'
+                               + (f', up to {segments} trajectories a row' if segments > 1 else ''))
 
     # The cost compiles run one microbatch's rows as the whole batch (no minibatch or microbatch loop) and count
     # it `parts` times: the same arithmetic, each part's weight gathers included; the optimizer's update, once a
@@ -88,7 +92,7 @@ def _update_programs(raw_config: Any, cfg: ModelConfig, mesh: Mesh, rows: int, s
     def at_depth(layers, c=one, micro=micro):
       small = cfg.replace(num_layers=layers, scan_layers=False)
       with loops.unrolled_loops():
-        return _learner(c, small, mesh).lower_update(micro, seq_len)
+        return _learner(c, small, mesh).lower_update(micro, seq_len, segments)
     flops, bytes_accessed = aot.depth_cost(at_depth, cfg.num_layers)
     prog.flops, prog.bytes_accessed = parts * flops, parts * bytes_accessed
     out.append(prog)
