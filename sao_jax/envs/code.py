@@ -532,49 +532,44 @@ class CodeTask(base.DatasetTask):
     super().__init__(max_turns=max_turns, eval_size=eval_size)
     self.opts = opts
     self.file_reports = []
-    examples = self._load(opts.data_file, 'task.kwargs.data_file')
-    evals = self._load(opts.eval_file, 'task.kwargs.eval_file') if opts.eval_file else None
-    self._train, self._eval = datasets.split(examples, eval_size, eval_examples=evals)
+    self._train, self._eval = datasets.load_split(opts.data_file, opts.eval_file, eval_size, self._example,
+                                                  self.file_reports)
     try:
       self.sandbox = sandbox_lib.Sandbox(opts.limits(), isolation=opts.isolation,
                                          max_concurrent=opts.max_concurrent)
     except sandbox_lib.SandboxError as e:
       raise ConfigError(f'config.task.kwargs.isolation={opts.isolation!r}: {e}') from e
 
-  def _load(self, path: str, field: str) -> list[base.Example]:
+  def _example(self, n: int, row: dict[str, Any]) -> base.Example:
+    """One data row's `Example` (a malformed row raises `datasets.BadRow`)."""
     o = self.opts
-
-    def convert(n: int, row: dict[str, Any]) -> base.Example:
-      prompt = datasets.text_field(row, o.prompt_field)
-      entry = datasets.text_field(row, o.entry_point_field)
-      if not entry.isidentifier():
-        raise datasets.BadRow(f'entry point {entry!r} is not an identifier')
-      tests = row.get(o.tests_field) or []
-      asserts = row.get(o.asserts_field) or []
-      if isinstance(tests, str):
-        try:
-          tests = json.loads(tests)
-        except json.JSONDecodeError as e:
-          raise datasets.BadRow(f'field {o.tests_field!r} is not JSON') from e
-      if not isinstance(tests, list) or any(not isinstance(t, dict) or not isinstance(t.get('input'), list)
-                                            or 'output' not in t for t in tests):
-        raise datasets.BadRow(f'field {o.tests_field!r} must be a list of {{"input": [...], "output": ...}}')
-      if not isinstance(asserts, list) or any(not isinstance(a, str) for a in asserts):
-        raise datasets.BadRow(f'field {o.asserts_field!r} must be a list of strings')
-      if not tests and not asserts:
-        raise datasets.BadRow('no tests')
-      for a in asserts:
-        try:
-          parse_assert(a, entry)
-        except UnsupportedAssert as e:
-          raise datasets.BadRow(f'assert {a[:80]!r} cannot be decided from returned values: {e}') from None
-      uid = str(row.get(o.id_field) or f'row{n}')
-      text = f'{prompt}\nWrite the Python function `{entry}` in a ```python code block.'
-      return base.Example(uid=f'code:{uid}', prompt=text, answer='',
-                          data={'entry_point': entry, 'tests': tests, 'asserts': asserts})
-
-    return datasets.build_examples(datasets.read_rows(path, field), convert, path=path, field=field,
-                                   reports=self.file_reports)
+    prompt = datasets.text_field(row, o.prompt_field)
+    entry = datasets.text_field(row, o.entry_point_field)
+    if not entry.isidentifier():
+      raise datasets.BadRow(f'entry point {entry!r} is not an identifier')
+    tests = row.get(o.tests_field) or []
+    asserts = row.get(o.asserts_field) or []
+    if isinstance(tests, str):
+      try:
+        tests = json.loads(tests)
+      except json.JSONDecodeError as e:
+        raise datasets.BadRow(f'field {o.tests_field!r} is not JSON') from e
+    if not isinstance(tests, list) or any(not isinstance(t, dict) or not isinstance(t.get('input'), list)
+                                          or 'output' not in t for t in tests):
+      raise datasets.BadRow(f'field {o.tests_field!r} must be a list of {{"input": [...], "output": ...}}')
+    if not isinstance(asserts, list) or any(not isinstance(a, str) for a in asserts):
+      raise datasets.BadRow(f'field {o.asserts_field!r} must be a list of strings')
+    if not tests and not asserts:
+      raise datasets.BadRow('no tests')
+    for a in asserts:
+      try:
+        parse_assert(a, entry)
+      except UnsupportedAssert as e:
+        raise datasets.BadRow(f'assert {a[:80]!r} cannot be decided from returned values: {e}') from None
+    uid = str(row.get(o.id_field) or f'row{n}')
+    text = f'{prompt}\nWrite the Python function `{entry}` in a ```python code block.'
+    return base.Example(uid=f'code:{uid}', prompt=text, answer='',
+                        data={'entry_point': entry, 'tests': tests, 'asserts': asserts})
 
   def make_env(self, example: base.Example) -> CodeEnv:
     return CodeEnv(example, self.opts, self.sandbox, max_turns=self.max_turns)

@@ -223,3 +223,16 @@ def split(examples: Sequence[base.Example], eval_size: int, *,
   if not train:
     raise ConfigError('config.task.eval_size: no training problem left after holding out the eval set.')
   return train, eval_set
+
+
+def load_split(data_file: str, eval_file: str, eval_size: int, convert: Callable[[int, dict[str, Any]], base.Example],
+               reports: list[FileReport]) -> tuple[list[base.Example], list[base.Example]]:
+  """(train, eval) of a task read from files: the rows of `data_file` (`config.task.kwargs.data_file`) and, when
+  given, `eval_file` through `convert` (`build_examples`: bad rows skipped, each file's report appended to
+  `reports`), then `split`."""
+  def load(path: str, field: str) -> list[base.Example]:
+    return build_examples(read_rows(path, field), convert, path=path, field=field, reports=reports)
+
+  examples = load(data_file, 'task.kwargs.data_file')
+  evals = load(eval_file, 'task.kwargs.eval_file') if eval_file else None
+  return split(examples, eval_size, eval_examples=evals)

@@ -749,24 +749,17 @@ class SweTask(base.DatasetTask):
     super().__init__(max_turns=max_turns, eval_size=eval_size)
     self.opts = opts
     self.file_reports = []
-    examples = self._load(opts.data_file, 'task.kwargs.data_file')
-    evals = self._load(opts.eval_file, 'task.kwargs.eval_file') if opts.eval_file else None
-    self._train, self._eval = datasets.split(examples, eval_size, eval_examples=evals)
+    self._train, self._eval = datasets.load_split(opts.data_file, opts.eval_file, eval_size, self._example,
+                                                  self.file_reports)
     try:
       self.sandboxes = Sandboxes.make(opts)
     except sandbox_lib.SandboxError as e:
       raise ConfigError(f'config.task.kwargs.isolation={opts.isolation!r}: {e}') from e
 
-  def _load(self, path: str, field: str) -> list[base.Example]:
-    opts = self.opts
-
-    def convert(n: int, row: dict[str, Any]) -> base.Example:
-      del n
-      inst = swe_data.instance_from_row(row, repos_root=opts.repos_root)
-      return make_example(inst, opts.instructions)
-
-    return datasets.build_examples(datasets.read_rows(path, field), convert, path=path, field=field,
-                                   reports=self.file_reports)
+  def _example(self, n: int, row: dict[str, Any]) -> base.Example:
+    """One data row's `Example` (a malformed row raises `datasets.BadRow`)."""
+    del n
+    return make_example(swe_data.instance_from_row(row, repos_root=self.opts.repos_root), self.opts.instructions)
 
   def make_env(self, example: base.Example) -> SweEnv:
     return SweEnv(example, self.opts, self.sandboxes, max_turns=self.max_turns)
