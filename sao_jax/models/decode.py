@@ -43,6 +43,10 @@ from sao_jax.models.layers import apply_rope, default_positions, rms_norm, rope_
 
 Array = jax.Array
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # Finite "-inf": fully masked rows stay NaN-free.
+# A chunk's attention over the cache goes in key blocks (an online softmax) once T x W passes this many scores:
+# a 1024-token prompt against its own 1024 slots stays one dense pass, a continuation against 32k slots does not.
+PREFILL_DENSE_SCORES = 1024 * 4096
+PREFILL_KEY_BLOCK = 2048
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -264,16 +268,50 @@ def _attend_one(q: Array, k_cache: Array, v_cache: Array, mask: Array, scale: fl
   return jnp.sum(probs.astype(f32)[..., None] * v_cache.astype(f32)[:, :, None], axis=-2).astype(q.dtype)
 
 
-def _attend_chunk(q: Array, k_cache: Array, v_cache: Array, mask: Array, scale: float) -> Array:
+def _attend_chunk(q: Array, k_cache: Array, v_cache: Array, mask: Array, scale: float,
+                  key_block: int | None = None) -> Array:
   """Chunk attention as batched matmuls: q [B, T, K, G, H], k [B, K, H, W], v [B, K, W, H],
   mask bool [B, T, W] -> [B, T, K, G, H]; float32 products and sums (operands upcast on a CPU, else float32
-  accumulation of the compute dtype's products: the same values, `_native_dots`)."""
+  accumulation of the compute dtype's products: the same values, `_native_dots`).
+
+  `key_block` (dividing W): an online softmax over blocks of that many cache slots, so a long cache never holds
+  T x W scores at once (a continuation's prefill against a 32k-token history); the same values to rounding."""
   dt, f32 = q.dtype, jnp.float32
   cast = (lambda x: x) if _native_dots() else (lambda x: x.astype(f32))
-  scores = jnp.einsum('btkgh,bkhs->bkgts', cast(q), cast(k_cache), preferred_element_type=f32)
-  scores = jnp.where(mask[:, None, None], scores * scale, _MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-  return jnp.einsum('bkgts,bksh->btkgh', cast(probs), cast(v_cache), preferred_element_type=f32).astype(dt)
+  if key_block is None:
+    scores = jnp.einsum('btkgh,bkhs->bkgts', cast(q), cast(k_cache), preferred_element_type=f32)
+    scores = jnp.where(mask[:, None, None], scores * scale, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    return jnp.einsum('bkgts,bksh->btkgh', cast(probs), cast(v_cache), preferred_element_type=f32).astype(dt)
+  b, t, kh, g, h = q.shape
+  n = k_cache.shape[-1] // key_block
+  kb = jnp.moveaxis(k_cache.reshape(b, kh, h, n, key_block), 3, 0)  # [n, B, K, H, blk]
+  vb = jnp.moveaxis(v_cache.reshape(b, kh, n, key_block, h), 2, 0)  # [n, B, K, blk, H]
+  mb = jnp.moveaxis(mask.reshape(b, t, n, key_block), 2, 0)  # [n, B, T, blk]
+
+  def step(carry, xs):
+    m, l, acc = carry
+    k_j, v_j, mask_j = xs
+    s = jnp.einsum('btkgh,bkhs->bkgts', cast(q), cast(k_j), preferred_element_type=f32)
+    s = jnp.where(mask_j[:, None, None], s * scale, _MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum('bkgts,bksh->bkgth', cast(p.astype(dt)), cast(v_j), preferred_element_type=f32)
+    return (m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv), None
+
+  init = (jnp.full((b, kh, g, t), _MASK_VALUE, f32), jnp.zeros((b, kh, g, t), f32),
+          jnp.zeros((b, kh, g, t, h), f32))
+  (_, l, acc), _ = jax.lax.scan(step, init, (kb, vb, mb))
+  return jnp.einsum('bkgth->btkgh', acc / l[..., None]).astype(dt)
+
+
+def chunk_key_block(t: int, window: int) -> int | None:
+  """The `_attend_chunk` key block of a T-token chunk against `window` cache slots: `PREFILL_KEY_BLOCK` once the
+  scores of a dense pass would pass `PREFILL_DENSE_SCORES` (per row, head), else None (dense)."""
+  if t * window <= PREFILL_DENSE_SCORES or window % PREFILL_KEY_BLOCK:
+    return None
+  return PREFILL_KEY_BLOCK
 
 
 def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens: Array, valid: Array, *,
@@ -363,7 +401,8 @@ def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens
     if t == 1:
       att = _attend_one(q.reshape(b, kh, g, h), k_cache, v_cache, mask[:, 0], scale)
     else:
-      att = _attend_chunk(q.reshape(b, t, kh, g, h), k_cache, v_cache, mask, scale)
+      att = _attend_chunk(q.reshape(b, t, kh, g, h), k_cache, v_cache, mask, scale,
+                          key_block=chunk_key_block(t, window))
     x = x + proj(lw.wo, merge(att.reshape(b, t, n, h)))
     y = rms_norm(x, vec(lw.mlp_norm), cfg.norm_eps, axis=axis)
     gate_up = proj(lw.w_gate_up, y)
@@ -482,7 +521,7 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, 
     att = [att_d.reshape(r, n * h)]
     if p:  # Each chunk attends over its own row.
       att_c = _attend_chunk(qc.reshape(p, t, kh, g, h), rows_of(k_cache[..., :cw]), rows_of(v_cache[:, :, :cw]),
-                            chunk_mask, scale)
+                            chunk_mask, scale, key_block=chunk_key_block(t, cw))
       att.append(att_c.reshape(p * t, n * h))
     x = x + lw.wo @ jnp.concatenate(att).T  # [N H, M]
     y = rms_norm(x, lw.mlp_norm, cfg.norm_eps, axis=0)

@@ -4,6 +4,7 @@ against a numpy reference and, compiled for a TPU, by the bytes they access."""
 
 import functools
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +26,19 @@ class ForwardMixedTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ('plain_tied', {}, None),
       ('bias_qknorm_untied', {'qkv_bias': True, 'qk_norm': True, 'tie_embeddings': False}, None),
-      ('chunk_window', {}, 11))
-  def test_decode_rows_and_chunks_match_the_plain_forward(self, kw, chunk_window):
+      ('chunk_window', {}, 11),
+      ('key_blocks', {}, None, 4))
+  def test_decode_rows_and_chunks_match_the_plain_forward(self, kw, chunk_window, key_block=None):
     """Rows 0 and 2 decode a token, row 1 takes a 4-token continuation, row 3 (empty) a 6-token prompt, one
     chunk entry is padding; every output and every key / value written equals the uncached forward's.
     `chunk_window` 11: just row 1's chunk's end (3 + 8 slots); row 2's decode token (at slot 12) still attends
-    over its whole history."""
+    over its whole history. `key_block`: every chunk attends over the cache in key blocks of that many slots (the
+    long-history prefill), the history's prefill and the chunks of the fused step alike."""
+    if key_block:
+      for name, value in (('PREFILL_DENSE_SCORES', 0), ('PREFILL_KEY_BLOCK', key_block)):
+        patch = mock.patch.object(decode, name, value)
+        patch.start()
+        self.addCleanup(patch.stop)
     cfg = config_lib.get_model_config('tiny', **kw)
     model = llama.Decoder(cfg, rngs=nnx.Rngs(0))
     if cfg.qkv_bias:  # Non-zero biases so the test sees them.
@@ -58,7 +66,8 @@ class ForwardMixedTest(parameterized.TestCase):
       if row < r:
         chunk[j, :adds[row]] = seqs[row][history[row]:history[row] + adds[row]]
         chunk_valid[j, :adds[row]] = True
-    mixed = functools.partial(jax.jit(decode.forward_mixed, static_argnums=0,
+    # A fresh function object: jit keeps one trace per function and arguments, whatever the module's constants.
+    mixed = functools.partial(jax.jit(functools.partial(decode.forward_mixed), static_argnums=0,
                                       static_argnames=('window', 'chunk_window')), chunk_window=chunk_window)
     hidden, chunk_hidden, cache = mixed(cfg, weights, cache, tokens, active, chunk_rows, chunk, chunk_valid,
                                         window=16)
@@ -118,6 +127,19 @@ class AttentionFormulationTest(absltest.TestCase):
         tol = 2 ** -7 if dtype == jnp.bfloat16 else 1e-5
         for got, args in ((one[:, None], (q, kc, vc, mask)), (chunk, (q5, kc5, vc5, mask5))):
           np.testing.assert_allclose(np.asarray(got, np.float64), self._reference(*args, scale), rtol=tol, atol=tol)
+
+  def test_key_blocks_compute_the_same_attention(self):
+    scale = 16 ** -0.5
+    q, kc, vc, mask = self._inputs(5, jnp.float32)
+    mask = mask.at[0, 1].set(False)  # A padding query: no valid slot (dense: the mean of the values).
+    dense = decode._attend_chunk(q, kc, vc, mask, scale)  # pylint: disable=protected-access
+    for block in (8, 20, 40):
+      blocked = decode._attend_chunk(q, kc, vc, mask, scale, key_block=block)  # pylint: disable=protected-access
+      np.testing.assert_allclose(blocked, dense, rtol=1e-5, atol=1e-6, err_msg=f'block {block}')
+    np.testing.assert_allclose(dense[:, 2:], self._reference(q[:, 2:], kc, vc, mask[:, 2:], scale), rtol=1e-5,
+                               atol=1e-6)
+    self.assertEqual(decode.chunk_key_block(1024, 1024), None)  # A prompt against its own slots: one pass.
+    self.assertEqual(decode.chunk_key_block(512, 32768), decode.PREFILL_KEY_BLOCK)
 
   def test_on_a_tpu_the_cache_is_not_copied_to_float32(self):
     from jax.experimental import topologies  # pylint: disable=g-import-not-at-top  # libtpu: a test requirement.
