@@ -110,25 +110,33 @@ def _pack_batch(trajs: list, tr: Any, *, pad_id: int, rows: int, group_size: int
   Every process's part has the same shape. Unpacked: `rows` rows of the smallest bucket that holds every process's
   longest trajectory. Packed: each process plans its rows; the processes agree on the longest row length, re-plan
   at that length, and take the largest row count (a multiple of `row_multiple`), empty rows filling the rest.
+  Group ids (each process numbers its own prompts) become `id * processes + process index`: the group baselines
+  group by id over the global batch.
   """
   buckets = tuple(int(b) for b in tr.seq_buckets)
-  many = jax.process_count() > 1
+  processes = jax.process_count()
   if tr.pack == 'none':
-    if many:  # One global batch, one length: the smallest bucket that fits every process's rows.
+    if processes > 1:  # One global batch, one length: the smallest bucket that fits every process's rows.
       longest = parallel.process_max('batch_length', max(len(t.tokens) for t in trajs))
       buckets = tuple(b for b in buckets if b >= longest) or buckets  # (None fits: pack names the long row.)
-    return rollout.pack(trajs, seq_buckets=buckets, pad_id=pad_id, rows=rows, group_size=group_size,
-                        truncation=truncation)
-  plan = dict(seq_buckets=buckets, packing=tr.pack, segments=int(tr.pack_segments), row_multiple=row_multiple,
-              pack_len=int(tr.pack_len))
-  packed_rows = None
-  if many:
-    lengths = [len(t.tokens) for t in trajs]
-    _, seq_len, _ = rollout.plan_packing(lengths, **plan)
-    plan.update(packing='fixed', pack_len=parallel.process_max('pack_length', seq_len))
-    packed_rows = parallel.process_max('pack_rows', rollout.plan_packing(lengths, **plan)[0])
-  return rollout.pack(trajs, pad_id=pad_id, rows=packed_rows, group_size=group_size, truncation=truncation,
-                      **plan)
+    packed = rollout.pack(trajs, seq_buckets=buckets, pad_id=pad_id, rows=rows, group_size=group_size,
+                          truncation=truncation)
+  else:
+    plan = dict(seq_buckets=buckets, packing=tr.pack, segments=int(tr.pack_segments), row_multiple=row_multiple,
+                pack_len=int(tr.pack_len))
+    packed_rows = None
+    if processes > 1:
+      lengths = [len(t.tokens) for t in trajs]
+      _, seq_len, _ = rollout.plan_packing(lengths, **plan)
+      plan.update(packing='fixed', pack_len=parallel.process_max('pack_length', seq_len))
+      packed_rows = parallel.process_max('pack_rows', rollout.plan_packing(lengths, **plan)[0])
+    packed = rollout.pack(trajs, pad_id=pad_id, rows=packed_rows, group_size=group_size, truncation=truncation,
+                          **plan)
+  if processes == 1:
+    return packed
+  ids = packed.batch.group_ids
+  unique = np.where(ids >= 0, ids * processes + jax.process_index(), ids).astype(ids.dtype)
+  return packed._replace(batch=packed.batch.replace(group_ids=unique))
 
 
 def _log_failures(trajectories: list) -> list[str]:

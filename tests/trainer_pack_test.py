@@ -21,10 +21,12 @@ from tests.trainer_test import tiny_config
 
 
 def _trajectories(lengths, seed):
+  """Groups of 2 numbered 0, 1, ... (as each process numbers its own prompts)."""
   rng = np.random.default_rng(seed)
   return [structs.Trajectory(tokens=rng.integers(3, 50, n), action_mask=np.arange(n) >= n // 2,
-                             behavior_logprobs=np.where(np.arange(n) >= n // 2, -1.0, 0.0), reward=1.0)
-          for n in lengths]
+                             behavior_logprobs=np.where(np.arange(n) >= n // 2, -1.0, 0.0), reward=1.0,
+                             group_id=i // 2)
+          for i, n in enumerate(lengths)]
 
 
 class PackedRunTest(absltest.TestCase):
@@ -78,12 +80,15 @@ class ProcessAgreementTest(absltest.TestCase):
       return got
 
     out = [None, None]
+    index = threading.local()
 
     def run(i):
-      out[i] = trainer._pack_batch(parts[i], tr, pad_id=0, rows=6, group_size=1, truncation='bootstrap',  # pylint: disable=protected-access
+      index.value = i
+      out[i] = trainer._pack_batch(parts[i], tr, pad_id=0, rows=6, group_size=2, truncation='bootstrap',  # pylint: disable=protected-access
                                    row_multiple=2)
 
     with mock.patch.object(jax, 'process_count', return_value=2), \
+         mock.patch.object(jax, 'process_index', lambda: index.value), \
          mock.patch.object(parallel, 'process_max', process_max):
       threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
       for t in threads:
@@ -98,6 +103,10 @@ class ProcessAgreementTest(absltest.TestCase):
     for p in out:
       self.assertEqual(sorted(p.kept), list(range(6)))
       rollout.check_batch(p.batch)
+    # Both processes numbered their groups 0, 1, 2: the global batch's ids are distinct, each group whole.
+    ids = [np.asarray(p.batch.group_ids)[np.asarray(p.batch.segment_mask) > 0] for p in out]
+    self.assertEqual(sorted(ids[0].tolist()), [0, 0, 2, 2, 4, 4])
+    self.assertEqual(sorted(ids[1].tolist()), [1, 1, 3, 3, 5, 5])
 
 
 if __name__ == '__main__':
