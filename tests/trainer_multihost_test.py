@@ -44,10 +44,10 @@ TIMEOUT_S = 600  # Per launch: only a hang reaches it (a healthy launch is compi
 # process before FAST_COMPILE; 2 minutes of wall time at a load of 8 on 2 cores).
 
 
-def command(workdir: str, num_steps: int) -> list[str]:
+def command(workdir: str, num_steps: int, pack: str = 'none') -> list[str]:
   return trainer_helpers.main_command(CONFIG, workdir, {
       **trainer_helpers.TINY, 'mesh.actor_devices': 1, 'trainer.batch_size': BATCH, 'trainer.mode': 'sync',
-      'trainer.num_steps': num_steps, 'trainer.checkpoint_every': 2})
+      'trainer.num_steps': num_steps, 'trainer.checkpoint_every': 2, 'trainer.pack': pack})
 
 
 def steps_written(workdir: str) -> list[int]:
@@ -73,9 +73,10 @@ class MultiHostTest(absltest.TestCase):
     self.assertEqual(steps_written(workdir), [1, 2])
     self.assertEqual([s['taken'] for s in data_at(workdir, 2)], [2 * ROWS] * 2)
 
-    # Launch 2: the same command with more steps resumes at 2; once step 3 is written, SIGTERM reaches process 1
-    # only: both processes stop at the same step N, save it and exit 0.
-    second = multiprocess.start(command(workdir, 1000), out, devices_per_process=4,
+    # Launch 2: the same command with more steps and packed rows (the processes agree on each batch's packed
+    # shape and compile it before the step's barrier) resumes at 2; once step 3 is written, SIGTERM reaches
+    # process 1 only: both processes stop at the same step N, save it and exit 0.
+    second = multiprocess.start(command(workdir, 1000, pack='ffd'), out, devices_per_process=4,
                                 xla_flags=multiprocess.NO_FUSION_EMITTERS, name='second')
     deadline = time.monotonic() + TIMEOUT_S
     while max(steps_written(workdir), default=0) < 3:
@@ -88,6 +89,7 @@ class MultiHostTest(absltest.TestCase):
 
     for p in second:
       self.assertIn(f'Resumed from step 2 ({2 * ROWS} prompts taken so far)', p.tail(10**6))
+      self.assertIn(f'Compiled the learner update for batches of {BATCH} x 224 tokens (8 per row)', p.tail(10**6))
     self.assertIn('Received signal 15', second[1].tail(10**6))
     self.assertNotIn('Received signal', second[0].tail(10**6))
     steps = steps_written(workdir)

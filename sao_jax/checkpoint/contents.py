@@ -33,11 +33,13 @@ if TYPE_CHECKING:
 
 # Config fields that may differ between a run and the checkpoint it resumes from.
 # The remat policies change what the backward pass recomputes, not the values it computes (nor the state's tree),
-# and an old checkpoint holds `model.remat` as a bool; the attention implementations compute the same values.
+# and an old checkpoint holds `model.remat` as a bool; the attention implementations compute the same values, and
+# packing lays the same trajectories out in other rows for the same update (tests/learner/packing_test.py).
 RESUMABLE_CHANGES = ('workdir', 'trainer.num_steps', 'trainer.allow_config_change', 'trainer.log_every',
                      'trainer.eval_every', 'trainer.checkpoint_every', 'trainer.export_hf',
                      'distributed.coordinator_address', 'distributed.process_id',  # Per process / per launch.
                      'model.remat', 'model.critic_remat', 'model.attention_impl',
+                     'trainer.pack', 'trainer.pack_segments', 'trainer.pack_len',
                      'trainer.save_retries', 'trainer.save_retry_s', 'sft.checkpoint_every', 'sft.log_every')
 # Knobs removed from `configs/base.py` that a checkpoint may still hold. Each changed how fast the actors ran,
 # never which tokens they generated (tests compared the tokens both ways), so a saved value is no difference.
