@@ -14,6 +14,12 @@ All three programs are the real `sao_jax.learner.Learner` update (jitted, sharde
 `--microbatch=m` sets `config.trainer.microbatch_size` (gradient accumulation over microbatches of m rows,
 one optimizer update; the critic forwards run per microbatch too; 0 = the whole batch at once).
 
+`--lengths=lognormal` times each program on a long-tailed length mix instead (reasoning replies: log-normal
+lengths of median `--median_len` and shape `--sigma`, clipped to `--min_len`..`--seq`), the same trajectories in
+two layouts (`rollout.pack`): bucketed (`trainer.pack='none'`: one per row, padded to the smallest of `--buckets`
+that holds the longest) and packed (`'ffd'`: up to `--pack_segments` per row, first-fit decreasing); it prints
+each layout's padding fraction and trained (non-pad) tokens/s, and packed / bucketed.
+
 tokens/s = batch * seq / median step time (compile excluded, reported separately). Model FLOPs use the
 PaLM convention of `ModelConfig.flops_per_token` (forward + backward = 3 forwards; the critic has no
 lm-head matmul; frozen attention is not discounted), and MFU divides by the float32 `jnp.dot` peak
@@ -36,7 +42,8 @@ from sao_jax import parallel
 from sao_jax.benchmarks.common import matmul_peak
 from sao_jax.learner import Learner, LearnerConfig
 from sao_jax.models import Decoder, get_model_config
-from sao_jax.structs import Batch
+from sao_jax import rollout
+from sao_jax.structs import Batch, Trajectory
 
 _MODEL = flags.DEFINE_string('model', 'bench-25m', 'Named model config.')
 _BATCH = flags.DEFINE_integer('batch', 8, 'Trajectories per learner step.')
@@ -50,6 +57,13 @@ _MICRO = flags.DEFINE_integer('microbatch', 0, 'config.trainer.microbatch_size: 
                               'microbatch (0 = the whole batch at once).')
 _PROGRAMS = flags.DEFINE_list('programs', ['sao', 'critic', 'grpo'],
                               'Programs to time: sao (SAO step), critic (its critic part), grpo (GRPO step).')
+_LENGTHS = flags.DEFINE_enum('lengths', 'fixed', ['fixed', 'lognormal'],
+                             'fixed: every row --seq tokens; lognormal: a long-tailed mix, bucketed vs packed.')
+_MEDIAN = flags.DEFINE_integer('median_len', 384, 'lognormal: median trajectory length.')
+_SIGMA = flags.DEFINE_float('sigma', 1.0, 'lognormal: shape (std of log length).')
+_MIN_LEN = flags.DEFINE_integer('min_len', 64, 'lognormal: shortest trajectory (the longest is --seq).')
+_BUCKETS = flags.DEFINE_list('buckets', [], 'lognormal: row lengths (default: 512, 768, 1024, 1536, ... up to --seq).')
+_SEGMENTS = flags.DEFINE_integer('pack_segments', 16, 'lognormal: trajectories per packed row at most.')
 
 
 def synthetic_batch(rows: int, seq: int, prompt: int, vocab: int, group: int, seed: int = 0) -> Batch:
@@ -60,9 +74,23 @@ def synthetic_batch(rows: int, seq: int, prompt: int, vocab: int, group: int, se
   rewards = np.zeros((rows, seq), np.float32)
   rewards[:, -1] = rng.integers(0, 2, rows)
   blp = (-np.log(vocab) * action).astype(np.float32)
-  return Batch(tokens=tokens, action_mask=action, behavior_logprobs=blp, rewards=rewards,
-               truncated=np.zeros(rows, bool), group_ids=(np.arange(rows) // group).astype(np.int32),
-               row_mask=np.ones(rows, np.float32), policy_version=np.zeros(rows, np.int32))
+  return Batch.from_rows(tokens=tokens, action_mask=action, behavior_logprobs=blp, rewards=rewards,
+                         lengths=np.full(rows, seq), group_ids=(np.arange(rows) // group).astype(np.int32))
+
+
+def lognormal_trajectories(n: int, *, median: int, sigma: float, min_len: int, max_len: int, prompt: int,
+                           vocab: int, group: int, seed: int = 0) -> list[Trajectory]:
+  """`n` single-turn trajectories of log-normal lengths clipped to `min_len..max_len` (prompt: the first
+  `min(prompt, length // 2)` tokens), a 0/1 reward each; consecutive runs of `group` share a group id."""
+  rng = np.random.default_rng(seed)
+  lengths = np.clip(np.round(median * np.exp(sigma * rng.standard_normal(n))), min_len, max_len).astype(int)
+  out = []
+  for i, length in enumerate(lengths):
+    mask = np.arange(length) >= min(prompt, length // 2)
+    out.append(Trajectory(tokens=rng.integers(3, vocab, length), action_mask=mask,
+                          behavior_logprobs=np.where(mask, -np.log(vocab), 0.0), reward=float(rng.integers(0, 2)),
+                          group_id=i // group))
+  return out
 
 
 def _config(algo: str, rows: int, group: int, devices: int):
@@ -104,12 +132,7 @@ def main(argv):
   rows, seq = _BATCH.value, _SEQ.value
   tokens = rows * seq
   devices = jax.devices()[:_DEVICES.value]
-  print(f'model {cfg.name}: {cfg.num_params() / 1e6:.1f}M params; batch {rows} x {seq} = {tokens} tokens '
-        f'({seq - _PROMPT.value} action tokens per row); {len(devices)} {devices[0].platform} device(s); '
-        f'jax {jax.__version__}')
   policy = lambda: Decoder(cfg, rngs=nnx.Rngs(0))  # Each learner creates it directly sharded, under jit.
-  batch = synthetic_batch(rows, seq, _PROMPT.value, cfg.vocab_size, _GROUP.value)
-
   names = {
       'sao': 'SAO step (critic fwd, K=2 critic updates, critic fwd, 1 policy update)',
       'critic': 'SAO critic part (same program, policy update skipped)',
@@ -120,7 +143,14 @@ def main(argv):
     raise app.UsageError(f'--programs: unknown {sorted(unknown)}; choose from {list(names)}.')
   if _MICRO.value and rows % _MICRO.value:
     raise app.UsageError(f'--microbatch={_MICRO.value} must divide --batch={rows}.')
+  platform = f'{len(devices)} {devices[0].platform} device(s); jax {jax.__version__}'
+  if _LENGTHS.value == 'lognormal':
+    print(f'model {cfg.name}: {cfg.num_params() / 1e6:.1f}M params; {platform}')
+    return _long_tail(cfg, policy, names, devices)
+  print(f'model {cfg.name}: {cfg.num_params() / 1e6:.1f}M params; batch {rows} x {seq} = {tokens} tokens '
+        f'({seq - _PROMPT.value} action tokens per row); {platform}')
   print(f'microbatch: {_MICRO.value or rows} rows ({rows // (_MICRO.value or rows)} per optimizer update)')
+  batch = synthetic_batch(rows, seq, _PROMPT.value, cfg.vocab_size, _GROUP.value)
   peak0 = matmul_peak()[0] if _PEAK.value else None
   runs = {}
   for prog in _PROGRAMS.value:
@@ -158,6 +188,42 @@ def main(argv):
     m = runs['sao'][2]
     print(f'SAO critic grad norm {m["critic/grad_norm"]:.3g} (frozen attention), '
           f'policy grad norm {m["policy/grad_norm"]:.3g}')
+
+
+def _long_tail(cfg, policy, names, devices) -> None:
+  """`--lengths=lognormal`: each program on the same trajectories, bucketed and packed (module docstring)."""
+  rows, seq = _BATCH.value, _SEQ.value
+  steps = sorted({m << k for k in range(8, 20) for m in (2, 3)})  # 512, 768, 1024, 1536, ...
+  buckets = tuple(int(b) for b in _BUCKETS.value) or tuple(b for b in steps if 512 <= b < seq) + (seq,)
+  trajs = lognormal_trajectories(rows, median=_MEDIAN.value, sigma=_SIGMA.value, min_len=_MIN_LEN.value,
+                                 max_len=seq, prompt=_PROMPT.value, vocab=cfg.vocab_size, group=_GROUP.value)
+  lengths = np.array([len(t.tokens) for t in trajs])
+  trained = int(lengths.sum())
+  print(f'lognormal lengths (median {_MEDIAN.value}, sigma {_SIGMA.value}, {_MIN_LEN.value}..{seq}): '
+        f'{rows} trajectories, {trained} tokens, percentiles 10/50/90/max '
+        f'{"/".join(str(int(np.percentile(lengths, q))) for q in (10, 50, 90, 100))}; buckets {buckets}')
+  layouts = {'bucketed': dict(packing='none', rows=rows),
+             'packed': dict(packing='ffd', segments=_SEGMENTS.value)}
+  results = {}
+  for prog in _PROGRAMS.value:
+    for layout, kw in layouts.items():
+      group = _GROUP.value if prog == 'grpo' else 1
+      batch = rollout.pack(trajs, seq_buckets=buckets, pad_id=0, group_size=group,
+                           row_multiple=rows // (_MICRO.value or rows), **kw).batch
+      config = _config('grpo' if prog == 'grpo' else 'sao', rows, _GROUP.value, len(devices))
+      if prog == 'critic':
+        config.algo.critic_warmup_steps = 10 ** 9
+      print(f'{prog} {layout}: batch {batch.shape[0]} x {batch.shape[1]} ({batch.num_segments} per row)', flush=True)
+      first, med, _ = time_program(config, policy, batch, _STEPS.value, devices)
+      results[(prog, layout)] = (batch, first, med)
+  print(f'\n{"program":<60} {"layout":<9} {"rows x T":>11} {"padding":>8} {"compile+1st s":>13} {"step s":>8} '
+        f'{"trained tok/s":>13}')
+  for (prog, layout), (batch, first, med) in results.items():
+    print(f'{names[prog]:<60} {layout:<9} {f"{batch.shape[0]} x {batch.shape[1]}":>11} '
+          f'{100 * rollout.padding_fraction(batch):7.1f}% {first:13.1f} {med:8.3f} {trained / med:13.0f}')
+  for prog in _PROGRAMS.value:
+    speedup = results[(prog, 'bucketed')][2] / results[(prog, 'packed')][2]
+    print(f'{prog}: packed / bucketed trained tokens/s = {speedup:.2f}x')
 
 
 if __name__ == '__main__':

@@ -132,7 +132,8 @@ def _first_fit_decreasing(lengths: Sequence[int], capacity: int, segments: int) 
 def allowed_rows(needed: int, row_multiple: int) -> int:
   """The smallest `row_multiple * m` >= `needed` rows whose `m` has at most 4 significant binary digits (1..16,
   18, 20, .., 32, 36, ..): at most 8 row counts per doubling, so a run compiles few update shapes, and the rounding
-  adds under 1/8 of the rows (a power of two would add up to 1/2: 35% padding on a long-tailed mix)."""
+  adds under 1/8 of the rows (a power of two can add 1/2: 26-39% padding on a long-tailed mix instead of 8-12%,
+  docs/benchmarks/packing.md)."""
   m = -(-max(int(needed), 1) // max(1, int(row_multiple)))
   shift = max(0, m.bit_length() - 4)
   return ((m + (1 << shift) - 1) >> shift << shift) * max(1, int(row_multiple))
