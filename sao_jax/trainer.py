@@ -100,7 +100,7 @@ def _any_process(flag: bool, name: str = 'stop') -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Failed episodes.
+# Batches.
 
 
 def _pack_batch(trajs: list, tr: Any, *, pad_id: int, rows: int, group_size: int, truncation: str,
@@ -137,6 +137,10 @@ def _pack_batch(trajs: list, tr: Any, *, pad_id: int, rows: int, group_size: int
   ids = packed.batch.group_ids
   unique = np.where(ids >= 0, ids * processes + jax.process_index(), ids).astype(ids.dtype)
   return packed._replace(batch=packed.batch.replace(group_ids=unique))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Failed episodes.
 
 
 def _log_failures(trajectories: list) -> list[str]:
