@@ -258,7 +258,8 @@ def check_batch(batch: structs.Batch) -> None:
   """Host check of the layout and reward contract of a packed batch (numpy or fetched arrays).
 
   Segments are contiguous runs numbered 1, 2, ... from the row's start, padding (0) only after the last; a
-  segment is real (`segment_mask` 1) exactly when it has tokens; every real segment has an action token; a
+  segment is real (`segment_mask` 1) exactly when it has tokens; every real segment has an action token and starts
+  with a prompt token (the critic's value at a segment's first token is the previous one's); a
   nonzero reward sits only on a real segment's LAST action token (never on a prompt, observation or padding
   token, nor on an earlier action token).
 
@@ -291,6 +292,11 @@ def check_batch(batch: structs.Batch) -> None:
     r, s = empty[0].tolist()
     raise ValueError(f'Row {r}, segment {s + 1} has no action token.' if s_len > 1 else
                      f'Row {r} has no action token.')
+  first = (seg > 0) & np.concatenate([np.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  opening = np.argwhere(first & mask)
+  if opening.size:  # Its value would be the previous segment's last one (`steps.critic_values`): no prompt.
+    r, p = opening[0].tolist()
+    raise ValueError(f'Row {r}: the trajectory starting at position {p} starts with an action token (no prompt).')
   positions = np.arange(t)
   last = np.full((b, s_len + 1), -1)
   for s in range(1, s_len + 1):

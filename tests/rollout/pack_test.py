@@ -122,6 +122,8 @@ class PackTest(parameterized.TestCase):
       rollout.pack([_traj(**_A, greedy=True)], seq_buckets=(8,), pad_id=0)
     with self.assertRaisesRegex(ValueError, 'no action token'):
       rollout.pack([_traj([1, 2], [0, 0], [0, 0], 1.0)], seq_buckets=(8,), pad_id=0)
+    with self.assertRaisesRegex(ValueError, 'starting at position 0 starts with an action token'):
+      rollout.pack([_traj([1, 2], [1, 1], [-0.1, -0.1], 1.0)], seq_buckets=(8,), pad_id=0)
 
   def test_packed_layout_first_fit_decreasing(self):
     # Lengths 7, 4, 4, 3, 3, 2 (prompt + action each, reward on the last token) into rows of 8 tokens.
