@@ -44,6 +44,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.sampler.max_new_tokens = 31744
     c.sampler.max_seq_len = 32768
     c.trainer.seq_buckets = (4096, 8192, 16384, 32768)
+    # Slots of 32k-token KV caches: Qwen3-0.6B on v5e-64 (actors sharing the learner's chips) fits 2 a process,
+    # not 8 (docs/benchmarks/aot.md, 2026-12-06).
+    c.sampler.batch_size = 2
     c.trainer.pack = 'ffd'  # Several replies per row: a short one no longer pads to the longest's length.
     c.trainer.pack_segments = 16
     c.model.remat = 'full'  # Keep only each block's input for the backward.
