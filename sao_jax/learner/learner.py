@@ -218,9 +218,9 @@ class Learner:
 
   # ---- Update.
 
-  def compile_update(self, rows: int, seq_lens: Sequence[int], segments: int = 1) -> bool:
+  def compile_update(self, rows: int, seq_lens: Sequence[int], segments: int = 1) -> None:
     """Compiles the update ahead of time for global batches of `rows` x `T` tokens, each `T` in `seq_lens`, and
-    `segments` trajectories per row (1 unpacked). Returns whether anything was compiled.
+    `segments` trajectories per row (1 unpacked).
 
     `dispatch` then runs these executables and compiles nothing. On several processes the trainer calls this
     before a `parallel.sync` barrier, so the processes reach the update's first collective together however
@@ -228,17 +228,14 @@ class Learner:
     context, which fails when one process arrives more than 30 s after another). Lowering reads only the
     state's shapes and shardings: nothing runs, nothing is donated.
     """
-    compiled = False
     for seq_len in seq_lens:
       key = (int(rows), int(seq_len), int(segments))
       if key in self._compiled:
         continue
       t0 = time.perf_counter()
       self._compiled[key] = self.lower_update(*key).compile()
-      compiled = True
       logging.info('Compiled the learner update for batches of %d x %d tokens (%d per row) in %.1f s.', *key,
                    time.perf_counter() - t0)
-    return compiled
 
   def lower_update(self, rows: int, seq_len: int, segments: int = 1) -> jax.stages.Lowered:
     """The update lowered for global batches of `rows` x `seq_len` tokens holding up to `segments` trajectories

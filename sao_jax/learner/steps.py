@@ -74,16 +74,10 @@ Hparams = dict[str, Any]  # `StepConfig.hparams()`: host scalars, or the jitted 
 masked_mean = losses.masked_mean
 
 
-def segment_ends(segment_ids: jax.Array) -> jax.Array:
-  """bool `[B, T]`: the last token of each segment (trajectory) of a packed row (padding, segment 0, excluded)."""
-  nxt = jnp.concatenate([segment_ids[:, 1:], jnp.zeros_like(segment_ids[:, :1])], axis=1)
-  return (segment_ids > 0) & (nxt != segment_ids)
-
-
 def truncation_bootstrap(next_values: jax.Array, segment_ids: jax.Array, truncated: jax.Array) -> jax.Array:
   """`V(state after a trajectory's last token)` = `next_values` at its segment's last token, for truncated
   trajectories; 0 for terminal ones. float32 `[B, S]` (`truncated` is `[B, S]`)."""
-  at_end = jnp.where(segment_ends(segment_ids), next_values, 0.0)
+  at_end = jnp.where(losses.segment_edges(segment_ids)[1], next_values, 0.0)  # Padding: no segment to sum into.
   end = losses.sequence_sum(at_end, segment_ids, truncated.shape[1])
   return jnp.where(truncated, end, 0.0)
 

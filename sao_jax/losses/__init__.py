@@ -18,6 +18,7 @@ from sao_jax.losses.common import aggregate
 from sao_jax.losses.common import aggregate_count
 from sao_jax.losses.common import clamp_log_ratio
 from sao_jax.losses.common import masked_mean
+from sao_jax.losses.common import segment_edges
 from sao_jax.losses.common import sequence_sum
 from sao_jax.losses.common import sequence_to_tokens
 from sao_jax.losses.kl import entropy_from_logits

@@ -86,7 +86,7 @@ def _prepare(rewards, values, action_mask, gamma, lam, bootstrap, segment_ids=No
   if segment_ids is None:
     ends = jnp.broadcast_to(last, (b, t))
   else:
-    ends = jnp.concatenate([segment_ids[:, 1:] != segment_ids[:, :-1], jnp.ones((b, 1), bool)], axis=1)
+    ends = common.segment_edges(segment_ids)[1]
   return r, v, m, gamma, lam, boot, ends
 
 
@@ -349,8 +349,7 @@ def action_span_mask(action_mask: jax.Array, segment_ids: jax.Array | None = Non
   seg = jnp.asarray(segment_ids, jnp.int32)
   t = seg.shape[1]
   idx = jnp.arange(t, dtype=jnp.int32)
-  starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-  ends = jnp.concatenate([seg[:, 1:] != seg[:, :-1], jnp.ones_like(seg[:, :1], bool)], axis=1)
+  starts, ends = common.segment_edges(seg)
   c = jnp.cumsum(acted, axis=1)
   first = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)  # Start of t's segment.
   last = jax.lax.cummin(jnp.where(ends, idx, t - 1), axis=1, reverse=True)  # Its end.

@@ -75,6 +75,15 @@ def sequence_sum(x: jax.Array, segment_ids: jax.Array | None = None, num_segment
   return sums.reshape(b, s + 1)[:, 1:]
 
 
+def segment_edges(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """bool `[B, T]` (starts, ends): the first and the last token of each run of equal `segment_ids` in a row (a
+  packed row's sequences, and its padding run); a row's first token starts a run, its last ends one."""
+  seg = jnp.asarray(segment_ids)
+  change = seg[:, 1:] != seg[:, :-1]
+  edge = jnp.ones_like(seg[:, :1], bool)
+  return jnp.concatenate([edge, change], axis=1), jnp.concatenate([change, edge], axis=1)
+
+
 def sequence_to_tokens(x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
   """Per-sequence values `[B, S]` put on their tokens: `out[b, t] = x[b, segment_ids[b, t] - 1]`, 0 on padding
   (segment 0); without segment ids `x` is `[B, 1]` or `[B]` and every token of row b gets `x[b]`."""
