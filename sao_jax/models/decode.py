@@ -288,11 +288,12 @@ def _attend_chunk(q: Array, k_cache: Array, v_cache: Array, mask: Array, scale: 
   kb = jnp.moveaxis(k_cache.reshape(b, kh, h, n, key_block), 3, 0)  # [n, B, K, H, blk]
   vb = jnp.moveaxis(v_cache.reshape(b, kh, n, key_block, h), 2, 0)  # [n, B, K, blk, H]
   mb = jnp.moveaxis(mask.reshape(b, t, n, key_block), 2, 0)  # [n, B, T, blk]
+  qc = cast(q)  # Once, not per block.
 
   def step(carry, xs):
     m, l, acc = carry
     k_j, v_j, mask_j = xs
-    s = jnp.einsum('btkgh,bkhs->bkgts', cast(q), cast(k_j), preferred_element_type=f32)
+    s = jnp.einsum('btkgh,bkhs->bkgts', qc, cast(k_j), preferred_element_type=f32)
     s = jnp.where(mask_j[:, None, None], s * scale, _MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     p = jnp.exp(s - m_new[..., None])
