@@ -26,12 +26,16 @@ atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 
 # One persistent compilation cache for the whole run: set here in pytest's first process, before xdist starts
 # its workers, so both workers and every child process a test starts (they inherit the environment) read and
-# write the same cache, and a tiny program compiled by one is loaded by the others. A size cap turns on the
-# cache's file lock, so two processes never read an entry while it is being written.
+# write the same cache, and a tiny program compiled by one is loaded by the others. No size cap (-1): with one,
+# jax's cache takes a file lock and, before every write, lists the whole directory and reads every entry's access
+# time to see whether to evict (the suite writes thousands of entries, so its writes cost O(entries) each: 41 s of
+# a 178 s run of two model test files went there). Without the lock an entry can be read while another process
+# writes it: its zlib stream is then truncated or fails its checksum, jax warns and compiles the program instead;
+# nothing half-written is ever loaded.
 if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   os.environ.update(JAX_COMPILATION_CACHE_DIR=os.path.join(_TMP, 'jax_compilation_cache'),
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0',
-                    JAX_COMPILATION_CACHE_MAX_SIZE=str(8 << 30))
+                    JAX_COMPILATION_CACHE_MAX_SIZE='-1')
 
 # The files holding the suite's longest tests (each 30-160 s of one worker on 2 cores: trainer runs in child
 # processes, TPU plans, the continuous sampler's warm-ups), longest first. They run first: the README's command
