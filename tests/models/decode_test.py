@@ -44,6 +44,10 @@ class ForwardMixedTest(parameterized.TestCase):
     if cfg.qkv_bias:  # Non-zero biases so the test sees them.
       model.layers.attn.k_bias[...] = 0.1 * jax.random.normal(jax.random.key(5), model.layers.attn.k_bias.shape)
     weights = decode.decode_weights(model)
+    # Jitted, as the samplers run it (op by op, the first case compiled 200+ single-op programs: 17 s of its 19):
+    # fresh function objects, for jit keeps one trace per function and arguments, whatever the module's constants.
+    forward = jax.jit(functools.partial(decode.forward), static_argnums=0,
+                      static_argnames=('window', 'all_positions'))
     rng = np.random.default_rng(0)
     history = [5, 3, 12, 0]
     adds = [1, 4, 1, 6]  # Tokens each row gets in the fused step.
@@ -54,7 +58,7 @@ class ForwardMixedTest(parameterized.TestCase):
     hist_valid = np.zeros_like(hist, bool)
     for i, h in enumerate(history):
       hist[i, :h], hist_valid[i, :h] = seqs[i][:h], True
-    _, cache = decode.forward(cfg, weights, cache, hist, hist_valid)
+    _, cache = forward(cfg, weights, cache, hist, hist_valid)
     cache = cache.replace(index=jnp.asarray(history, jnp.int32))  # Right padding is overwritten by the next write.
 
     active = np.array([True, False, True, False])
@@ -66,7 +70,6 @@ class ForwardMixedTest(parameterized.TestCase):
       if row < r:
         chunk[j, :adds[row]] = seqs[row][history[row]:history[row] + adds[row]]
         chunk_valid[j, :adds[row]] = True
-    # A fresh function object: jit keeps one trace per function and arguments, whatever the module's constants.
     mixed = functools.partial(jax.jit(functools.partial(decode.forward_mixed), static_argnums=0,
                                       static_argnames=('window', 'chunk_window')), chunk_window=chunk_window)
     hidden, chunk_hidden, cache = mixed(cfg, weights, cache, tokens, active, chunk_rows, chunk, chunk_valid,
@@ -81,7 +84,7 @@ class ForwardMixedTest(parameterized.TestCase):
     np.testing.assert_array_equal(cache.positions, np.add(history, adds))
     # What the step wrote is what the plain forward would have: every row's next token decodes right.
     last = np.array([seq[-1] for seq in seqs], np.int32)[:, None]
-    step, _ = decode.forward(cfg, weights, cache, last, np.ones((r, 1), bool), window=16)
+    step, _ = forward(cfg, weights, cache, last, np.ones((r, 1), bool), window=16)
     for i in range(r):
       np.testing.assert_allclose(decode.last_logits(weights, step)[i], full[i][len(seqs[i]) - 1], atol=2e-5, rtol=1e-5,
                                  err_msg=f'row {i} after the step')
