@@ -25,9 +25,13 @@ from sao_jax.models.llama import Decoder
 def _overrides(m: Any) -> dict[str, Any]:
   """The `ModelConfig` fields `config.model` sets over a named or HF architecture: the compute `dtype`, the
   parameters' storage `param_dtype` (an HF checkpoint's weights are cast to it), the policy's `remat` policy
-  (the old bools too: `models.config.remat_policy`) and the `attention_impl`."""
-  return {'dtype': str(m.dtype), 'param_dtype': str(getattr(m, 'param_dtype', 'float32')),
-          'remat': getattr(m, 'remat', 'none'), 'attention_impl': str(getattr(m, 'attention_impl', 'auto'))}
+  (the old bools too: `models.config.remat_policy`), the `attention_impl` and the LoRA adapters (`lora`)."""
+  out = {'dtype': str(m.dtype), 'param_dtype': str(getattr(m, 'param_dtype', 'float32')),
+         'remat': getattr(m, 'remat', 'none'), 'attention_impl': str(getattr(m, 'attention_impl', 'auto'))}
+  lora = getattr(m, 'lora', None)
+  if lora is not None and lora.rank:
+    out.update(lora_rank=int(lora.rank), lora_alpha=float(lora.alpha), lora_targets=tuple(lora.targets))
+  return out
 
 
 def model_config_of(model_config: Any) -> ModelConfig:
@@ -56,7 +60,7 @@ def build(model_config: Any, *, mesh: Mesh | None = None, rules: Sequence[Any] |
       too.
     mesh: place the parameters on this mesh (default: the first device).
     rules: logical-axis -> mesh-axis pairs (`config.mesh.rules`); None = replicated on `mesh`.
-    seed: init seed of a named (randomly initialised) model.
+    seed: init seed of a named (randomly initialised) model, and of fresh LoRA adapters (`config.model.lora`).
 
   Returns:
     `(model, model_config)`.
@@ -67,7 +71,7 @@ def build(model_config: Any, *, mesh: Mesh | None = None, rules: Sequence[Any] |
   m = getattr(model_config, 'model', model_config)
   hf_dir = str(getattr(m, 'hf_dir', '') or '')
   if hf_dir:
-    return hf_io.load_hf(hf_dir, mesh=mesh, rules=rules, **_overrides(m))
+    return hf_io.load_hf(hf_dir, mesh=mesh, rules=rules, lora_seed=seed, **_overrides(m))
   cfg = model_config_of(m)
 
   def make() -> Decoder:

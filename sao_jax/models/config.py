@@ -28,6 +28,9 @@ REMAT_POLICIES = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_save
 # recomputing backward (pure JAX, any backend, no T x T), 'splash' the Pallas TPU kernel; 'auto' is splash for a
 # TPU program, flash elsewhere.
 ATTENTION_IMPLS = ('auto', 'reference', 'flash', 'splash')
+# The projections a LoRA adapter can target (HF PEFT's module names; `sao_jax.models.lora`).
+LORA_ATTENTION_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj')
+LORA_TARGETS = LORA_ATTENTION_TARGETS + ('gate_proj', 'up_proj', 'down_proj')
 
 
 def remat_policy(value: Any) -> str:
@@ -80,6 +83,9 @@ class ModelConfig:
       with 'flash', the block of queries and of keys (0 = `attention.FLASH_BLOCK`); splash picks its own.
     attention_impl: Attention without a cache (`ATTENTION_IMPLS`; the same values, different memory and speed):
       'auto' (splash on TPU, flash elsewhere), 'reference', 'flash' or 'splash' (TPU only).
+    lora_rank: Rank r of the LoRA adapters (`sao_jax.models.lora`); 0 = none (full fine-tuning).
+    lora_alpha: LoRA's alpha: an adapter adds (alpha / r) x A B.
+    lora_targets: The projections that get an adapter (names of `LORA_TARGETS`).
     max_position: Longest position the model is meant for (HF `max_position_embeddings`): informative, except as
       the reference length of 'dynamic' RoPE scaling and the default factor of 'yarn' (`rope_inv_freq`).
     name: Name of the config (informative).
@@ -106,6 +112,9 @@ class ModelConfig:
   scan_layers: bool = True
   attention_chunk: int = 64
   attention_impl: str = 'auto'
+  lora_rank: int = 0
+  lora_alpha: float = 32.0
+  lora_targets: tuple[str, ...] = ()
   max_position: int = 8192
   name: str = ''
 
@@ -141,6 +150,31 @@ class ModelConfig:
       # Store a plain dict copy (immutability by convention; hashing uses the sorted items).
       object.__setattr__(self, 'rope_scaling', dict(self.rope_scaling))
     object.__setattr__(self, 'eos_ids', tuple(int(i) for i in self.eos_ids))
+    if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+      raise ValueError(f'ModelConfig.lora_rank must be an int >= 0, got {self.lora_rank!r}.')
+    object.__setattr__(self, 'lora_targets', tuple(self.lora_targets))
+    if self.lora_rank:
+      if (not self.lora_targets or len(set(self.lora_targets)) != len(self.lora_targets)
+          or not set(self.lora_targets) <= set(LORA_TARGETS)):
+        raise ValueError(f'ModelConfig.lora_targets={self.lora_targets!r}: expected distinct names among '
+                         f'{LORA_TARGETS}.')
+      if not self.lora_alpha > 0:
+        raise ValueError(f'ModelConfig.lora_alpha must be > 0, got {self.lora_alpha!r}.')
+
+  @property
+  def lora_scale(self) -> float:
+    """s = lora_alpha / lora_rank, what an adapter's product is multiplied by (0 without LoRA)."""
+    return float(self.lora_alpha) / self.lora_rank if self.lora_rank else 0.0
+
+  def has_adapter(self, target: str) -> bool:
+    """Whether projection `target` (e.g. 'q_proj') carries a LoRA adapter."""
+    return bool(self.lora_rank) and target in self.lora_targets
+
+  def without_lora(self) -> ModelConfig:
+    """The base model's config (no adapters): what a merged model, an export and the sampler run."""
+    if not self.lora_rank:
+      return self
+    return self.replace(lora_rank=0, lora_targets=(), lora_alpha=type(self).__dataclass_fields__['lora_alpha'].default)
 
   def __hash__(self):
     # Computed once per instance: a jitted program hashes its static arguments at every call, and the continuous

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sao_jax.models import lora
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.layers import apply_rope, default_positions, rms_norm, rope_inv_freq, rope_tables
 
@@ -142,7 +143,9 @@ LAYER_PATHS = dict(
     q_bias=('layers', 'attn', 'q_bias'), k_bias=('layers', 'attn', 'k_bias'), v_bias=('layers', 'attn', 'v_bias'),
     q_norm=('layers', 'attn', 'q_norm', 'scale'), k_norm=('layers', 'attn', 'k_norm', 'scale'),
     mlp_norm=('layers', 'mlp_norm', 'scale'), gate_proj=('layers', 'mlp', 'gate_proj'),
-    up_proj=('layers', 'mlp', 'up_proj'), down_proj=('layers', 'mlp', 'down_proj'))
+    up_proj=('layers', 'mlp', 'up_proj'), down_proj=('layers', 'mlp', 'down_proj'),
+    # LoRA adapters (`lora`), merged into their weights by `decode_layer`.
+    **{f'{t}_lora_{ab}': ('layers', lora.HOLDER[t], lora.suffix(t), ab) for t in lora.TARGETS for ab in 'ab'})
 OUTER_PATHS = dict(embed=('embed', 'embedding'), final_norm=('final_norm', 'scale'), lm_head=('lm_head',))
 
 
@@ -170,8 +173,12 @@ def is_norm(name: str) -> bool:
 
 
 def decode_layer(cfg: ModelConfig, p: dict[str, Array]) -> LayerWeights:
-  """One layer's decode-layout weights from its parameters (`layer_params` without the `L` axis): matmul weights and
-  biases cast to the compute dtype, fused and transposed; norm scales as they are."""
+  """One layer's decode-layout weights from its parameters (`layer_params` without the `L` axis): LoRA adapters
+  merged into their weights (W + s A B), matmul weights and biases cast to the compute dtype, fused and transposed;
+  norm scales as they are."""
+  p = dict(p)
+  for target in cfg.lora_targets if cfg.lora_rank else ():
+    p[target] = lora.merged_weight(p[target], p.pop(f'{target}_lora_a'), p.pop(f'{target}_lora_b'), cfg.lora_scale)
   dt = jnp.dtype(cfg.dtype)
   d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   cast = lambda x: x.astype(dt)

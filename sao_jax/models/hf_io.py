@@ -30,6 +30,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from sao_jax.models import lora
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.llama import Decoder
 
@@ -152,7 +153,7 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
 
 
 def load_hf(hf_dir: str, *, dtype: str = 'float32', mesh: Mesh | None = None, rules: Rules | None = None,
-            **config_overrides) -> tuple[Decoder, ModelConfig]:
+            lora_seed: int = 0, **config_overrides) -> tuple[Decoder, ModelConfig]:
   """Loads an HF Llama / Qwen2 / Qwen3 checkpoint directory into a `Decoder`.
 
   Args:
@@ -160,8 +161,9 @@ def load_hf(hf_dir: str, *, dtype: str = 'float32', mesh: Mesh | None = None, ru
     dtype: compute dtype of the returned model ('float32' or 'bfloat16').
     mesh: if given, every parameter is placed with `NamedSharding(mesh, spec)`, shard by shard.
     rules: logical-axis -> mesh-axis pairs (`config.mesh.rules`); None = replicated on `mesh`.
+    lora_seed: the seed of fresh LoRA adapters' A (`lora.initial`), when the overrides ask for adapters.
     **config_overrides: extra `ModelConfig` fields (e.g. param_dtype='bfloat16': the weights are read as float32
-      and stored in that dtype; remat='full', scan_layers=False).
+      and stored in that dtype; remat='full', scan_layers=False; lora_rank, lora_targets: fresh adapters).
 
   Returns:
     (model, cfg).
@@ -176,8 +178,16 @@ def load_hf(hf_dir: str, *, dtype: str = 'float32', mesh: Mesh | None = None, ru
   graphdef, state = nnx.split(abstract)
   devices = None if mesh is not None else jax.devices()[:1]
 
+  lora_key = jax.random.key(lora_seed)
+
   def load(path, var):
     key = _var_path(path)
+    adapter = lora.target_of(key)
+    if adapter is not None:  # Not in the checkpoint: a fresh LoRA adapter (B = 0).
+      value = np.asarray(lora.initial(cfg, adapter[0], lora_key)['ab'.index(adapter[1])])
+      sharding = (jax.sharding.SingleDeviceSharding(devices[0]) if mesh is None
+                  else NamedSharding(mesh, _spec(var, value.shape, mesh, rules, '/'.join(key))))
+      return var.replace(jax.make_array_from_callback(value.shape, sharding, lambda index: value[index]))
     if key not in mapping:
       raise ValueError(f'No HF weight mapped to parameter {"/".join(key)}.')
     template, transform, stacked = mapping[key]
@@ -217,8 +227,9 @@ def load_hf(hf_dir: str, *, dtype: str = 'float32', mesh: Mesh | None = None, ru
 
 def hf_state_dict(model: Decoder, cfg: ModelConfig | None = None) -> dict[str, np.ndarray]:
   """The model's weights as an HF-named dict of float32 numpy arrays (gathered to host; bfloat16 parameters
-  widen exactly)."""
-  cfg = cfg or model.cfg
+  widen exactly); LoRA adapters merged into their weights (`Decoder.merged`)."""
+  model = model.merged()
+  cfg = (cfg or model.cfg).without_lora()
   mapping = _param_map(cfg)
   out = {}
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -237,9 +248,9 @@ def hf_state_dict(model: Decoder, cfg: ModelConfig | None = None) -> dict[str, n
 
 def save_hf(model: Decoder, cfg: ModelConfig | None, out_dir: str, tokenizer_dir: str | None = None) -> None:
   """Writes config.json, model.safetensors (float32 whatever `cfg.param_dtype`; config.json says torch_dtype
-  float32) and the tokenizer files of `tokenizer_dir` to `out_dir`."""
+  float32; LoRA adapters merged) and the tokenizer files of `tokenizer_dir` to `out_dir`."""
   from safetensors.numpy import save_file
-  cfg = cfg or model.cfg
+  cfg = (cfg or model.cfg).without_lora()
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, 'config.json'), 'w') as f:
     json.dump(cfg.to_hf_config(), f, indent=2)

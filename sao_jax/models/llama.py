@@ -26,6 +26,8 @@ Parameter tree (logical axis names in brackets, `L` = layers):
   layers/mlp/down_proj         [L, F, D]      ('layers', 'mlp', 'embed')
   final_norm/scale             [D]
   lm_head                      [D, V]         ('embed', 'vocab'), absent when tie_embeddings
+  layers/attn/q_proj_lora/a, b [L, D, r], [L, r, N, H]   LoRA adapters (`lora`; one per `cfg.lora_targets` entry,
+                                                        beside the weight it adapts, e.g. mlp/down_proj_lora)
 Every attention parameter lives under an `attn` path: `nnx.PathContains('attn')` selects them all.
 
 KV cache: `model(tokens, cache=cache)` runs the cached forward pass of `sao_jax.models.decode` (the one
@@ -55,6 +57,7 @@ from flax import nnx
 
 from sao_jax.models import attention
 from sao_jax.models import decode
+from sao_jax.models import lora
 from sao_jax.models.config import REMAT_POLICIES, ModelConfig
 from sao_jax.models.layers import apply_rope, default_positions, rms_norm, rope_inv_freq, rope_tables
 
@@ -114,9 +117,9 @@ class Attention(nnx.Module):
     """x [B, T, D], cos/sin [B, T, H/2], segment_ids int [B, T] (`attention.attention`) -> [B, T, D]."""
     cfg = self.cfg
     dt = x.dtype
-    q = jnp.einsum('btd,dnh->btnh', x, self.q_proj[...].astype(dt))
-    k = jnp.einsum('btd,dkh->btkh', x, self.k_proj[...].astype(dt))
-    v = jnp.einsum('btd,dkh->btkh', x, self.v_proj[...].astype(dt))
+    q = lora.project(self, 'q_proj', 'btd,dnh->btnh', x)
+    k = lora.project(self, 'k_proj', 'btd,dkh->btkh', x)
+    v = lora.project(self, 'v_proj', 'btd,dkh->btkh', x)
     if cfg.qkv_bias:
       q = q + self.q_bias[...].astype(dt)
       k = k + self.k_bias[...].astype(dt)
@@ -128,7 +131,7 @@ class Attention(nnx.Module):
     q = q.reshape(b, t, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim)
     out = attention.attention(q, k, v, segment_ids, chunk=cfg.attention_chunk, impl=cfg.attention_impl)
     out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
-    return jnp.einsum('btnh,nhd->btd', out, self.o_proj[...].astype(dt))
+    return lora.project(self, 'o_proj', 'btnh,nhd->btd', out)
 
 
 class MLP(nnx.Module):
@@ -143,10 +146,9 @@ class MLP(nnx.Module):
                             stddev=f ** -0.5 / (2 * cfg.num_layers) ** 0.5)
 
   def __call__(self, x: Array) -> Array:
-    dt = x.dtype
-    gate = jnp.einsum('btd,df->btf', x, self.gate_proj[...].astype(dt))
-    up = jnp.einsum('btd,df->btf', x, self.up_proj[...].astype(dt))
-    return jnp.einsum('btf,fd->btd', swiglu(gate, up), self.down_proj[...].astype(dt))
+    gate = lora.project(self, 'gate_proj', 'btd,df->btf', x)
+    up = lora.project(self, 'up_proj', 'btd,df->btf', x)
+    return lora.project(self, 'down_proj', 'btf,fd->btd', swiglu(gate, up))
 
 
 @jax.custom_vjp
@@ -229,6 +231,8 @@ class Decoder(nnx.Module):
     if lm_head and not cfg.tie_embeddings:
       self.lm_head = _param(rngs.params(), (cfg.embed_dim, cfg.vocab_size), ('embed', 'vocab'), pd,
                             stddev=cfg.embed_dim ** -0.5)
+    if cfg.lora_rank:  # Last: the base's weights are those of the same seed without LoRA.
+      lora.attach(self.layers, cfg, rngs.params())
 
   # ---- Public API.
 
@@ -289,6 +293,27 @@ class Decoder(nnx.Module):
     """logits[b, t, v] = hidden[b, t] . W_out[:, v] in float32 ([..., D] -> [..., V])."""
     w, layout = self.unembedding()
     return project_to_vocab(hidden, w, layout)
+
+  def merged(self) -> Decoder:
+    """This model without LoRA adapters, each adapted weight replaced by W + s A B (`lora.merged_weight`): a
+    `Decoder` of `cfg.without_lora()` (what an HF export writes). Without adapters, `self`."""
+    cfg = self.cfg
+    if not cfg.lora_rank:
+      return self
+    base_cfg = cfg.without_lora()
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(base_cfg, rngs=nnx.Rngs(0),
+                                                                  lm_head=self.has_lm_head)))
+    flat = {tuple(str(k) for k in path): var.get_value() for path, var in nnx.to_flat_state(nnx.state(self))}
+    for target in cfg.lora_targets:
+      w = ('layers', lora.HOLDER[target], target)
+      ab = tuple(flat[('layers', lora.HOLDER[target], lora.suffix(target), x)] for x in 'ab')
+      flat[w] = jax.vmap(lambda w_, a, b: lora.merged_weight(w_, a, b, cfg.lora_scale))(flat[w], *ab)
+
+    def fill(path, var):
+      return var.replace(flat[tuple(str(getattr(k, 'key', k)) for k in path)])
+
+    state = jax.tree_util.tree_map_with_path(fill, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, state)
 
   # ---- Internals.
 

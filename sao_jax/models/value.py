@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sao_jax.models import lora
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.llama import Decoder
 
@@ -58,28 +59,33 @@ class ValueModel(nnx.Module):
     return jnp.pad(v[:, :-1], ((0, 0), (1, 0)))
 
   @classmethod
-  def from_policy(cls, policy: Decoder, *, rngs: nnx.Rngs | None = None, remat: str = '') -> ValueModel:
+  def from_policy(cls, policy: Decoder, *, rngs: nnx.Rngs | None = None, remat: str = '', lora_rank: int = 0,
+                  lora_targets: tuple[str, ...] = ()) -> ValueModel:
     """A critic whose backbone is a copy of `policy`'s weights (no lm head) and whose head is zero.
 
     The arrays are copied (same shardings and dtypes: the head is stored in `cfg.param_dtype` too), so donating
     the policy's buffers never invalidates the critic. `remat`: the critic's own remat policy
-    (`models.config.REMAT_POLICIES`; '' = the policy's, `config.model.critic_remat`). Nothing is randomly
-    initialised (`rngs` is accepted for API symmetry and unused).
+    (`models.config.REMAT_POLICIES`; '' = the policy's, `config.model.critic_remat`). `lora_rank` > 0: the critic's
+    own fresh LoRA adapters (`lora.attach`, their A drawn from `rngs`) on `lora_targets`, over the policy's base
+    weights (the policy's own adapters, if any, are not copied: a critic of a LoRA policy starts from its base).
     """
-    del rngs
-    cfg = policy.cfg.replace(remat=remat) if remat else policy.cfg
+    cfg = policy.cfg.replace(lora_rank=lora_rank, lora_targets=tuple(lora_targets) if lora_rank else ())
+    cfg = cfg.replace(remat=remat) if remat else cfg
     abstract = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    src = nnx.state(policy)
+    src = nnx.state(policy, nnx.Not(lora.ADAPTERS))
     src_flat = dict(nnx.to_flat_state(src))
 
     def fill(path, var):
       keys = tuple(getattr(k, 'key', k) for k in path)
-      if keys[0] == 'backbone':
+      if keys[0] == 'backbone' and not isinstance(var, lora.LoraParam):
         value = src_flat[keys[1:]].get_value()
         return var.replace(jnp.copy(value))
       sds = var.get_value()
       return var.replace(jnp.zeros(sds.shape, sds.dtype))
 
     state = jax.tree_util.tree_map_with_path(fill, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.merge(graphdef, state)
+    critic = nnx.merge(graphdef, state)
+    if cfg.lora_rank:  # Fresh adapters in place of the zeros above.
+      lora.attach(critic.backbone.layers, cfg, (rngs or nnx.Rngs(0)).params())
+    return critic
