@@ -99,6 +99,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # differ in the 4th decimal, as they come from different programs: docs/benchmarks/accelerators.md), 'high'
   # (bf16_3x / TF32 on GPU), 'highest' (full float32; slower matmuls on TPU and GPU). CPU computes float32 in full.
   m.matmul_precision = 'default'
+  # LoRA (sao_jax/models/lora.py): rank > 0 trains low-rank adapters (y = x W + (alpha / r) x A B, B = 0 at the start)
+  # over a frozen base held once and shared by the policy and the critic: only the adapters (and the critic's value
+  # head) have gradients and optimizer states; checkpoints hold those only; an HF export merges them.
+  m.lora = ml_collections.ConfigDict()
+  m.lora.rank = 0  # The policy's adapter rank r (0 = full fine-tuning, no adapters).
+  m.lora.alpha = 32.0  # An adapter adds (alpha / r) x A B.
+  m.lora.targets = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')  # Adapted projections.
+  m.lora.critic_rank = 0  # The critic's adapter rank (0 = the policy's).
+  m.lora.critic_targets = ('gate_proj', 'up_proj', 'down_proj')  # The critic's (attention: none while it is frozen).
 
   # ---- Sampler (actor side generation).
   c.sampler = s = ml_collections.ConfigDict()

@@ -127,6 +127,12 @@ def _bounds(ge=None, gt=None, le=None, lt=None, why: str = '') -> Check:
   return Check(ok, f'must be {rule}{". " + why if why else "."}')
 
 
+def _lora_targets() -> Check:
+  names = model_config_lib.LORA_TARGETS
+  return Check(lambda v: isinstance(v, (tuple, list)) and len(v) > 0 and len(set(v)) == len(v) and set(v) <= set(names),
+               f'is not a tuple of distinct names among {names}.')
+
+
 def _choice(choices: Sequence[str]) -> Check:
   return Check(lambda v: v in choices, f'is not one of {list(choices)}.')
 
@@ -192,6 +198,11 @@ FIELDS: dict[str, Check] = {
                                 f"is not '' (the policy's remat) or one of {list(model_config_lib.REMAT_POLICIES)}."),
     'model.attention_impl': _choice(model_config_lib.ATTENTION_IMPLS),
     'model.matmul_precision': _choice(MATMUL_PRECISIONS),
+    'model.lora.rank': _bounds(ge=0, why='0 = full fine-tuning.'),
+    'model.lora.alpha': _bounds(gt=0.0),
+    'model.lora.targets': _lora_targets(),
+    'model.lora.critic_rank': _bounds(ge=0, why="0 = the policy's rank."),
+    'model.lora.critic_targets': _lora_targets(),
     # ---- sampler
     'sampler.temperature': _bounds(gt=0.0),
     'sampler.top_p': _bounds(gt=0.0, le=1.0),
@@ -323,6 +334,20 @@ def _check_relations(config: ml_collections.ConfigDict) -> None:
                       'actors reserve room before they generate.')
 
 
+def _check_lora(config: ml_collections.ConfigDict) -> None:
+  """A LoRA critic whose attention is frozen has no attention adapters (they would be zeros that never train); the
+  supervised warm start trains whole models (not adapters) and is refused with LoRA."""
+  lora = config.model.lora
+  if lora.rank and config.sft.steps:
+    raise ConfigError(f'config.sft.steps={config.sft.steps} with config.model.lora.rank={lora.rank}: the warm start '
+                      'trains the whole policy, not LoRA adapters; set one of them to 0.')
+  frozen = set(lora.critic_targets) & set(model_config_lib.LORA_ATTENTION_TARGETS)
+  if lora.rank and config.optim.freeze_critic_attention and frozen:
+    raise ConfigError(f'config.model.lora.critic_targets={tuple(lora.critic_targets)!r} adapts the critic\'s '
+                      f'attention ({sorted(frozen)}) but config.optim.freeze_critic_attention is on: drop them, or '
+                      'unfreeze the attention.')
+
+
 def _check_model(config: ml_collections.ConfigDict) -> model_config_lib.ModelConfig:
   """The policy's `ModelConfig` from `config.model` (a named config, or `hf` read from `hf_dir`), checked."""
   m = config.model
@@ -407,6 +432,7 @@ def validate(config: ml_collections.ConfigDict, *, for_run: bool = False,
     workdir_lib.check_writable(resolved.workdir)  # One line, before any model is built.
   distributed.check_config(resolved)
   model_cfg = _check_model(resolved)
+  _check_lora(resolved)
   registry.validate_task_config(resolved)
   _check_mesh(resolved, model_cfg, devices)
   if log:

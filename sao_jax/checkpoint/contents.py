@@ -90,25 +90,39 @@ def _optimizer_item(state: state_lib.LearnerState) -> dict[str, Any]:
   return out
 
 
-def _restore_train_state(spec: state_lib.ModelSpec, ts: state_lib.TrainState, weights: Any,
+def _restore_train_state(spec: state_lib.ModelSpec, ts: state_lib.TrainState, base: Any, weights: Any,
                          opt: dict[str, Any]) -> state_lib.TrainState:
-  model = state_lib.merge(spec, ts)
+  model = state_lib.merge(spec, ts, base)
   nnx.update(model, weights)
-  _, params, rest = nnx.split(model, spec.trainable, ...)
+  params, rest = state_lib.split_own(spec, model)
   return state_lib.TrainState(params, rest, opt['opt_state'], opt['step'], opt['skipped'],
                               opt['consecutive_skips'])
+
+
+def _weights(learner: Learner) -> tuple[Any, Any]:
+  """(policy, critic or None) states as a checkpoint holds them: without the shared base (LoRA: the adapters, and
+  the critic's head), whole otherwise."""
+  critic = learner.critic_model()
+  return (state_lib.own_state(learner.policy_spec, learner.policy_model()),
+          None if critic is None else state_lib.own_state(learner.critic_spec, critic))
+
+
+def base_fingerprint(learner: Learner) -> str | None:
+  """A digest of the learner's shared base (LoRA; None without one): a resume over another base is refused."""
+  if learner.base is None:
+    return None
+  return manager.json_digest(manager.fingerprints(learner.base))
 
 
 def save_checkpoint(ckpt: manager.Checkpointer, learner: Learner, model_config: Any, config: Any,
                     prompts: PromptSource) -> None:
   """Saves `learner`'s state, every process's prompt position and the run's flat config at the learner's step."""
-  state = learner.state
-  critic = learner.critic_model()
+  policy, critic = _weights(learner)
   ckpt.save(manager.CheckpointState(
-      step=learner.step, policy=nnx.state(learner.policy_model()),
-      critic=None if critic is None else nnx.state(critic), optimizer=_optimizer_item(state),
+      step=learner.step, policy=policy, critic=critic, optimizer=_optimizer_item(learner.state),
       data={'prompts': prompts.state(), 'prompts_by_process': _all_process_states(prompts.state())},
-      metadata=manager.policy_metadata(model_config, config=flat_config(config), version=learner.step)),
+      metadata=manager.policy_metadata(model_config, config=flat_config(config), version=learner.step,
+                                       base_fingerprint=base_fingerprint(learner))),
       force=True)
 
 
@@ -123,19 +137,26 @@ def restore_checkpoint(ckpt: manager.Checkpointer, learner: Learner, config: Any
       `config.trainer.allow_config_change`.
   """
   state = learner.state
-  critic = learner.critic_model()
+  policy, critic = _weights(learner)
   target = manager.CheckpointState(
-      step=0, policy=manager.abstract_target(nnx.state(learner.policy_model())),
-      critic=None if critic is None else manager.abstract_target(nnx.state(critic)),
+      step=0, policy=manager.abstract_target(policy),
+      critic=None if critic is None else manager.abstract_target(critic),
       optimizer=manager.abstract_target(_optimizer_item(state)))
   # The newest intact step; a damaged newer one is reported and moved aside (the steps after it are retrained).
   got = ckpt.restore(None, target=target, set_aside_damaged=True)
   step = int(got.step)
   _check_saved_config((got.metadata or {}).get('config', {}), step, config, defaults, log=True)
-  policy = _restore_train_state(learner.policy_spec, state.policy, got.policy, got.optimizer['policy'])
+  saved_base = (got.metadata or {}).get('base_fingerprint')
+  if saved_base != base_fingerprint(learner):
+    raise ConfigError(f'config.workdir={config.workdir!r} holds a checkpoint (step {step}) whose LoRA adapters were '
+                      'trained over another base model (the base weights\' fingerprints differ): resume over the '
+                      'same config.model.hf_dir (and seed), or use a fresh --workdir.')
+  policy = _restore_train_state(learner.policy_spec, state.policy, learner.base, got.policy,
+                                got.optimizer['policy'])
   critic_ts = None
   if state.critic is not None:
-    critic_ts = _restore_train_state(learner.critic_spec, state.critic, got.critic, got.optimizer['critic'])
+    critic_ts = _restore_train_state(learner.critic_spec, state.critic, learner.base, got.critic,
+                                     got.optimizer['critic'])
   learner.state = state_lib.LearnerState(policy=policy, critic=critic_ts, step=got.optimizer['learner_step'])
   by_process = got.data.get('prompts_by_process') or [got.data['prompts']]
   if len(by_process) != jax.process_count():

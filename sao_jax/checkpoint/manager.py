@@ -98,6 +98,7 @@ def model_config_to_json(cfg: ModelConfig) -> dict[str, Any]:
   """A JSON-serialisable dict of every `ModelConfig` field (tuples become lists)."""
   d = dataclasses.asdict(cfg)
   d['eos_ids'] = list(cfg.eos_ids)
+  d['lora_targets'] = list(cfg.lora_targets)
   d['rope_scaling'] = None if cfg.rope_scaling is None else dict(cfg.rope_scaling)
   return d
 
@@ -215,7 +216,8 @@ def _all_processes(ok: bool) -> bool:
   return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
 
 
-def _json_digest(value: Any) -> str:
+def json_digest(value: Any) -> str:
+  """sha256 of `value` as sorted-key JSON."""
   return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
@@ -365,7 +367,7 @@ class Checkpointer:
       value = getattr(state, name)
       if value is not None:
         try:
-          manifest['json'][name] = _json_digest(value)
+          manifest['json'][name] = json_digest(value)
         except TypeError as e:
           raise ValueError(f'CheckpointState.{name} must be JSON-serialisable: {e}') from e
         items[name] = ocp.args.JsonSave(value)
@@ -480,7 +482,7 @@ class Checkpointer:
                    else _compare(name, fingerprints(value), want))
       else:
         want = manifest.get('json', {}).get(name)
-        problem = None if _json_digest(value) == want else f'{name}: differs from what was saved'
+        problem = None if json_digest(value) == want else f'{name}: differs from what was saved'
       if problem:
         raise CheckpointCorrupt(problem)
       setattr(out, name, value)
@@ -576,9 +578,37 @@ def policy_metadata(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
   return {'model_config': model_config_to_json(cfg), **extra}
 
 
+def _lora_policy(ckpt: Checkpointer, step: int, meta: Mapping[str, Any], cfg: ModelConfig, shardings_fn
+                 ) -> nnx.Module:
+  """The policy of a LoRA checkpoint (it holds the adapters only): the base rebuilt as the run built it (its
+  `model.hf_dir`, or the named model of its `seed`), checked against the saved base fingerprint, then the adapters
+  restored into it."""
+  from sao_jax.models import hf_io, lora  # pylint: disable=g-import-not-at-top
+  from sao_jax.models.llama import Decoder  # pylint: disable=g-import-not-at-top
+  run = meta.get('config', {})
+  hf_dir, seed = run.get('model.hf_dir', ''), int(run.get('seed', 0))
+  if hf_dir:
+    model, _ = hf_io.load_hf(hf_dir, dtype=cfg.dtype, param_dtype=cfg.param_dtype, lora_rank=cfg.lora_rank,
+                             lora_alpha=cfg.lora_alpha, lora_targets=cfg.lora_targets, lora_seed=seed)
+  else:  # Built in one jit as the run built it (eager random draws can round differently).
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+    model = nnx.merge(graphdef, jax.jit(lambda: nnx.state(Decoder(cfg, rngs=nnx.Rngs(seed))))())
+  if json_digest(fingerprints(nnx.state(model, nnx.Not(lora.ADAPTERS)))) != meta.get('base_fingerprint'):
+    raise ValueError(f'Checkpoint step {step} holds LoRA adapters trained over another base than '
+                     f'{hf_dir or f"the named model of seed {seed}"} (the base fingerprints differ).')
+  target = abstract_target(nnx.state(model, lora.ADAPTERS))
+  restored = ckpt.restore(step, target=CheckpointState(step=step, policy=target), items=('policy',))
+  nnx.update(model, restored.policy)
+  if shardings_fn is not None:
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, shardings_fn(state)))
+  return model
+
+
 def load_policy(checkpoint_dir: str, step: int | None = None, *, shardings_fn=None,
                 **config_overrides: Any) -> tuple[nnx.Module, ModelConfig]:
-  """Builds the policy `Decoder` of a checkpoint from its saved model config and restores its weights.
+  """Builds the policy `Decoder` of a checkpoint from its saved model config and restores its weights (a LoRA
+  checkpoint's adapters over its run's base: `_lora_policy`).
 
   Args:
     checkpoint_dir: the checkpointer's directory (the one holding `<step>/` directories).
@@ -603,6 +633,8 @@ def load_policy(checkpoint_dir: str, step: int | None = None, *, shardings_fn=No
       cfg = model_config_from_json(meta['model_config'])
       if config_overrides:
         cfg = cfg.replace(**config_overrides)
+      if cfg.lora_rank:
+        return s, cfg, _lora_policy(ckpt, s, meta, cfg, shardings_fn)
       abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
       graphdef, abs_state = nnx.split(abstract)
       target = (_single_device_target(abs_state) if shardings_fn is None

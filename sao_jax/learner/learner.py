@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 from sao_jax import parallel
 from sao_jax.learner import algo as algo_lib
+from sao_jax.models import lora as lora_lib
 from sao_jax.learner import optim as optim_lib
 from sao_jax.learner import state as state_lib
 from sao_jax.learner import steps as steps_lib
@@ -41,26 +42,41 @@ class NonFiniteUpdateError(RuntimeError):
   """Too many consecutive updates had a non-finite loss or gradient."""
 
 
-def critic_trainable(freeze_attention: bool):
-  """Filter of the critic's trained leaves: every Param, minus attention when frozen (SAO)."""
+def critic_trainable(freeze_attention: bool, lora: bool = False):
+  """Filter of the critic's trained leaves: every Param (LoRA: its adapters and its value head), minus attention
+  when frozen (SAO)."""
   from sao_jax.models import value as value_lib  # pylint: disable=g-import-not-at-top
+  trained = nnx.Any(lora_lib.ADAPTERS, nnx.PathContains('head')) if lora else nnx.Param
   if freeze_attention:
-    return nnx.All(nnx.Param, nnx.Not(value_lib.CRITIC_ATTENTION))
-  return nnx.Param
+    return nnx.All(trained, nnx.Not(value_lib.CRITIC_ATTENTION))
+  return trained
 
 
-def default_critic(policy: ModelOrFn, seed: int, remat: str = '') -> ModelOrFn:
+def default_critic(policy: ModelOrFn, seed: int, remat: str = '', lora: tuple[int, tuple[str, ...]] = (0, ())
+                   ) -> ModelOrFn:
   """The SAO critic: the policy's backbone plus a zero-initialised scalar head (a module if `policy` is one), with
-  its own remat policy `remat` ('' = the policy's; `config.model.critic_remat`)."""
+  its own remat policy `remat` ('' = the policy's; `config.model.critic_remat`) and its own LoRA adapters `lora`
+  = (rank, targets) (rank 0: none)."""
   from sao_jax.models import value as value_lib  # pylint: disable=g-import-not-at-top
+  rank, targets = lora
+  def make_critic(p):  # Its Rngs made where it is used (inside the jit of a model function).
+    return value_lib.ValueModel.from_policy(p, rngs=nnx.Rngs(seed), remat=remat, lora_rank=rank, lora_targets=targets)
 
   if isinstance(policy, nnx.Module):
-    return value_lib.ValueModel.from_policy(policy, rngs=nnx.Rngs(seed), remat=remat)
+    return make_critic(policy)
 
   def make():
     with nnx.use_eager_sharding(False):
-      return value_lib.ValueModel.from_policy(policy(), rngs=nnx.Rngs(seed), remat=remat)
+      return make_critic(policy())
   return make
+
+
+def has_adapters(model: ModelOrFn) -> bool:
+  """Whether `model` (a module, or a function creating one: traced abstractly) has LoRA adapters."""
+  if not isinstance(model, nnx.Module):
+    with nnx.use_eager_sharding(False):
+      model = nnx.eval_shape(model)
+  return bool(jax.tree.leaves(nnx.state(model, lora_lib.ADAPTERS)))
 
 
 def check_groups(group_ids: np.ndarray, segment_mask: np.ndarray, group_size: int) -> None:
@@ -79,6 +95,14 @@ def check_groups(group_ids: np.ndarray, segment_mask: np.ndarray, group_size: in
                        'together in one batch, under one group id (>= 0).')
 
 
+def critic_lora(config: Any) -> tuple[int, tuple[str, ...]]:
+  """(rank, targets) of the critic's LoRA adapters under `config.model.lora` ((0, ()) without LoRA)."""
+  lora = config.model.get('lora')
+  if lora is None or not lora.rank:
+    return 0, ()
+  return int(lora.critic_rank or lora.rank), tuple(lora.critic_targets)
+
+
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
   """What the learner reads of a run's config, read once (`from_config`), its algorithm's preset filled in.
@@ -93,6 +117,8 @@ class LearnerConfig:
     rules: logical axis name -> mesh axes (`config.mesh.rules`).
     seed: `config.seed` (the default critic's head is initialised from `seed + 1`).
     critic_remat: the default critic's remat policy (`config.model.critic_remat`; '' = the policy's).
+    critic_lora: the default critic's LoRA adapters (rank, targets) when the policy has adapters
+      (`config.model.lora.critic_rank` (0: the policy's rank), `critic_targets`).
   """
   step: algo_lib.StepConfig
   optim: optim_lib.OptimConfig
@@ -102,6 +128,7 @@ class LearnerConfig:
   rules: tuple[Any, ...]
   seed: int
   critic_remat: str = ''
+  critic_lora: tuple[int, tuple[str, ...]] = (0, ())
 
   @classmethod
   def from_config(cls, config: Any) -> LearnerConfig:
@@ -112,7 +139,7 @@ class LearnerConfig:
                horizons=optim_lib.optimizer_horizons(config), batch_size=int(config.trainer.batch_size),
                mesh=tuple((axis, int(config.mesh[axis])) for axis in parallel.MESH_AXES),
                rules=tuple(config.mesh.rules), seed=int(config.seed),
-               critic_remat=str(config.model.get('critic_remat', '')))
+               critic_remat=str(config.model.get('critic_remat', '')), critic_lora=critic_lora(config))
 
 
 class Learner:
@@ -144,19 +171,36 @@ class Learner:
     tx_at = functools.partial(optim_lib.optimizer_at, o)  # The optimizers' numbers are inputs of the update.
     policy_hp = optim_lib.optim_hparams(o, o.actor_lr, policy_updates)
     self.abstract = abstract
+    # LoRA (the policy has adapters): only adapters (and the critic's head) train; the frozen base is held once
+    # (`self.base`), shared by policy and critic, and is an input of the update, neither donated nor saved.
+    self.lora = has_adapters(policy)
+    policy_trainable = lora_lib.ADAPTERS if self.lora else nnx.Param
+    policy_shared = nnx.Not(lora_lib.ADAPTERS) if self.lora else None
     self.policy_spec, policy_state, policy_sh = state_lib.create_train_state(
-        policy, tx_at(policy_hp), self.mesh, rules, abstract_only=abstract)
+        policy, tx_at(policy_hp), self.mesh, rules, trainable=policy_trainable, shared=policy_shared,
+        abstract_only=abstract)
     self.policy_spec = dataclasses.replace(self.policy_spec, tx_at=tx_at)
+    self.base, base_sh = None, None
+    if self.lora:
+      self.base, base_sh = state_lib.split_base(policy, policy_trainable, policy_shared, self.mesh, rules,
+                                                abstract_only=abstract)
     rep = parallel.replicated(self.mesh)
     self.critic_spec, critic_state, critic_sh, critic_hp = None, None, None, None
     if cfg.uses_critic:
       if critic is None:
-        critic = default_critic(policy, settings.seed + 1, settings.critic_remat)
+        critic = default_critic(policy, settings.seed + 1, settings.critic_remat,
+                                settings.critic_lora if self.lora else (0, ()))
       critic_hp = optim_lib.optim_hparams(o, o.critic_lr, critic_updates)
+      critic_shared = nnx.All(nnx.PathContains('backbone'), nnx.Not(lora_lib.ADAPTERS)) if self.lora else None
       self.critic_spec, critic_state, critic_sh = state_lib.create_train_state(
-          critic, tx_at(critic_hp), self.mesh, rules, trainable=critic_trainable(o.freeze_critic_attention),
-          abstract_only=abstract)
+          critic, tx_at(critic_hp), self.mesh, rules,
+          trainable=critic_trainable(o.freeze_critic_attention, self.lora), shared=critic_shared,
+          base_prefix=('backbone',), abstract_only=abstract)
       self.critic_spec = dataclasses.replace(self.critic_spec, tx_at=tx_at)
+      missing = set(self.critic_spec.base_paths) - {('backbone', *p) for p in self.policy_spec.base_paths}
+      if missing:
+        raise ValueError(f'The critic\'s frozen weights {sorted(missing)[:3]} are not in the policy\'s base: '
+                         'a LoRA critic shares the policy\'s base (ValueModel.from_policy builds one).')
     if abstract:
       step0 = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
     else:
@@ -166,7 +210,14 @@ class Learner:
 
     # Reference policy for the KL penalty: a frozen copy of the initial policy.
     self.ref_graphdef, self.ref_state, ref_sh = None, None, None
-    if cfg.kl_coef > 0:
+    # LoRA: the initial policy is the base (B = 0), so the reference is the policy with zeroed adapters over the
+    # shared base (`steps.sharing_base` completes it): no second copy of the weights.
+    if cfg.kl_coef > 0 and self.lora:
+      self.ref_graphdef, ref_sh = self.policy_spec.graphdef, policy_sh.params
+      zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
+      self.ref_state = (state_lib.abstract(policy_state.params, ref_sh) if abstract
+                        else jax.jit(zeros, out_shardings=ref_sh)(policy_state.params))
+    elif cfg.kl_coef > 0:
       model = state_lib.merge(self.policy_spec, policy_state)
       self.ref_graphdef, ref = nnx.split(model)
       ref_sh = parallel.tree_shardings(ref, self.mesh, rules)
@@ -179,13 +230,14 @@ class Learner:
       fn = steps_lib.make_sao_step(cfg, self.policy_spec, self.critic_spec, self.mesh, self.ref_graphdef)
     else:
       fn = steps_lib.make_group_step(cfg, self.policy_spec, self.mesh, self.ref_graphdef)
+    fn = steps_lib.sharing_base(fn, self.policy_spec, self.critic_spec)
     # The step's numbers (bands, lambdas, coefficients, learning rates, schedules) are inputs, not constants: a
     # config or a sweep that changes only numbers runs the same compiled program (the persistent cache's hit).
     hparams = steps_lib.step_hparams(cfg, policy_hp, critic_hp)
     hparams_sh = jax.tree.map(lambda _: rep, hparams)
     self.hparams = (state_lib.abstract if abstract else state_lib.place)(hparams, hparams_sh)
     batch_sh = Batch.map_fields(lambda _: parallel.batch_sharding(self.mesh, 2))
-    self._step_fn = jax.jit(fn, in_shardings=(self.state_shardings, batch_sh, ref_sh, hparams_sh),
+    self._step_fn = jax.jit(fn, in_shardings=(self.state_shardings, batch_sh, ref_sh, hparams_sh, base_sh),
                             out_shardings=(self.state_shardings, rep), donate_argnums=(0,))
     self._batch_shardings = batch_sh
     self._compiled: dict[tuple[int, int, int], Any] = {}  # (rows, T, S) -> the update compiled ahead.
@@ -243,7 +295,7 @@ class Learner:
     batch = Batch.map_fields(lambda k: jax.ShapeDtypeStruct(
         Batch.field_shape(k, rows, seq_len, segments), BATCH_FIELDS[k][1],
         sharding=getattr(self._batch_shardings, k)))
-    return self._step_fn.lower(self.state, batch, self.ref_state, self.hparams)
+    return self._step_fn.lower(self.state, batch, self.ref_state, self.hparams, self.base)
 
   def update(self, batch: Batch) -> dict[str, float]:
     """One learner step on `batch`; returns host metrics (floats) including throughput.
@@ -260,7 +312,7 @@ class Learner:
     batch = self.put_batch(batch)
     key = (*batch.tokens.shape, batch.num_segments)
     step_fn = self._compiled.get(key, self._step_fn)  # Compiled ahead, else jit's.
-    self.state, metrics = step_fn(self.state, batch, self.ref_state, self.hparams)
+    self.state, metrics = step_fn(self.state, batch, self.ref_state, self.hparams, self.base)
     counters = {'policy': self.state.policy.consecutive_skips}
     if self.state.critic is not None:
       counters['critic'] = self.state.critic.consecutive_skips
@@ -297,12 +349,12 @@ class Learner:
 
   def policy_model(self) -> nnx.Module:
     """The current policy as a module (arrays stay sharded on the learner mesh)."""
-    return state_lib.merge(self.policy_spec, self.state.policy)
+    return state_lib.merge(self.policy_spec, self.state.policy, self.base)
 
   def critic_model(self) -> nnx.Module | None:
     if self.critic_spec is None:
       return None
-    return state_lib.merge(self.critic_spec, self.state.critic)
+    return state_lib.merge(self.critic_spec, self.state.critic, self.base)
 
   def abstract_state(self) -> state_lib.LearnerState:
     """`jax.ShapeDtypeStruct`s (with shardings) of the learner state: the restore target of a checkpoint."""

@@ -264,14 +264,17 @@ def run_updates(spec: state_lib.ModelSpec, ts: state_lib.TrainState, data: Any, 
   n = num_minibatches(rows, minibatch_size)
   parts = num_microbatches(rows // n, microbatch_size)
 
-  def body(ts, k):
+  rest = ts.rest  # Frozen (a shared base too): closed over, not carried by the loop.
+
+  def body(carry, k):
     mb = take_minibatch(data, k % n, n, mesh)
+    ts = carry.replace(rest=rest)
     loss, metrics, grads = _grad_and_metrics(spec, ts, mb, objective, extra, parts, mesh)
     ts, guard = guarded_apply(spec, ts, grads, loss, opt_hparams)
-    return ts, {'loss': loss, **metrics, **guard}
+    return ts.replace(rest=None), {'loss': loss, **metrics, **guard}
 
-  ts, stacked = loops.scan(body, ts, jnp.arange(epochs * n, dtype=jnp.int32))
-  return ts, _mean_metrics(stacked)
+  ts, stacked = loops.scan(body, ts.replace(rest=None), jnp.arange(epochs * n, dtype=jnp.int32))
+  return ts.replace(rest=rest), _mean_metrics(stacked)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -403,12 +406,18 @@ def _policy_phase(cfg, policy_spec, ref_graphdef, ts, data, ref_params, active, 
 
   if active is None:
     return run(ts)
+  rest = ts.rest  # Frozen: closed over, not an operand of the cond.
 
-  def skip(ts):
-    shapes = jax.eval_shape(run, ts)[1]
-    return ts, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  def run_active(carry):
+    new_ts, metrics = run(carry.replace(rest=rest))
+    return new_ts.replace(rest=None), metrics
 
-  return jax.lax.cond(active, run, skip, ts)
+  def skip(carry):
+    shapes = jax.eval_shape(run_active, carry)[1]
+    return carry, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+  new_ts, metrics = jax.lax.cond(active, run_active, skip, ts.replace(rest=None))
+  return new_ts.replace(rest=rest), metrics
 
 
 def _advantage_metrics(adv: jax.Array, mask: jax.Array) -> Metrics:
@@ -446,6 +455,31 @@ def _under_mesh(step: Callable[..., Any], mesh: Mesh | None) -> Callable[..., An
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       return step(*args, **kwargs)
   return traced_under_mesh
+
+
+def sharing_base(step: Callable[..., Any], policy_spec: state_lib.ModelSpec,
+                 critic_spec: state_lib.ModelSpec | None = None) -> Callable[..., Any]:
+  """`step` (`make_sao_step`'s, `make_group_step`'s) with a fifth input, `base`: the frozen weights policy and
+  critic share (LoRA), held once outside the learner state (`state_lib.split_base`). Each train state's `rest`
+  borrows them for the step (`state_lib.with_base`) and gives them back; the returned state has the input's
+  structure. The KL reference `ref_params` (the policy's zeroed adapters, LoRA's initial policy) is completed with
+  the base too. `base` None: `step` as it is."""
+
+  def run(state: state_lib.LearnerState, batch: Batch, ref_params: Any = None, hparams: Any = None,
+          base: Any = None):
+    if base is None:
+      return step(state, batch, ref_params, hparams)
+    inside = state.replace(policy=state_lib.with_base(policy_spec, state.policy, base),
+                           critic=None if critic_spec is None else
+                           state_lib.with_base(critic_spec, state.critic, base))
+    if ref_params is not None:
+      ref_params = nnx.merge_state(ref_params, state_lib.with_base(policy_spec, state.policy, base).rest)
+    new, metrics = step(inside, batch, ref_params, hparams)
+    new = new.replace(policy=new.policy.replace(rest=state.policy.rest),
+                      critic=None if new.critic is None else new.critic.replace(rest=state.critic.rest))
+    return new, metrics
+
+  return run
 
 
 def make_sao_step(cfg: algo_lib.StepConfig, policy_spec: state_lib.ModelSpec,

@@ -143,7 +143,7 @@ class HyperparametersAreInputsTest(absltest.TestCase):
   def _program(self, learner):
     batch = learner.put_batch(H.batch(0, pad_rows=1))
     step_fn = learner._step_fn  # pylint: disable=protected-access
-    return step_fn.lower(learner.state, batch, learner.ref_state, learner.hparams).as_text()
+    return step_fn.lower(learner.state, batch, learner.ref_state, learner.hparams, learner.base).as_text()
 
   def test_numbers_change_no_program_and_drive_the_update(self):
     _, snaps, _ = _runs('sao', (1, 1))  # The reference config's two updates.

@@ -228,16 +228,19 @@ class StepResult:
   extra: dict
 
 
-def _policy_update(policy: nnx.Module, tokens: np.ndarray, coef: np.ndarray, actor_lr: float) -> dict:
-  """One SGD step on the surrogate `sum_{b,t} coef[b, t] logp[b, t]` (coef: the loss's constant weights)."""
-  graphdef, params, rest = _split(policy, nnx.Param)
+def _policy_update(policy: nnx.Module, tokens: np.ndarray, coef: np.ndarray, actor_lr: float,
+                   trained=nnx.Param) -> dict:
+  """One SGD step on the surrogate `sum_{b,t} coef[b, t] logp[b, t]` (coef: the loss's constant weights) of the
+  `trained` parameters."""
+  graphdef, params, rest = _split(policy, trained)
   grads = _policy_grad(graphdef, params, rest, jnp.asarray(tokens), jnp.asarray(coef, jnp.float32))
   return flat(_sgd(params, grads, actor_lr))
 
 
 def sao_step(policy: nnx.Module, critic: nnx.Module, batch, s: Settings, variant: SaoVariant = SaoVariant(),
-             *, real_tokens: np.ndarray) -> StepResult:
-  """One SAO learner step from the formulas (module docstring); `real_tokens[B, T]` marks non-padding tokens."""
+             *, real_tokens: np.ndarray, policy_trained=nnx.Param, critic_trained=CRITIC_TRAINED) -> StepResult:
+  """One SAO learner step from the formulas (module docstring); `real_tokens[B, T]` marks non-padding tokens;
+  `policy_trained`, `critic_trained`: the parameters each SGD step moves (LoRA: adapters, and the critic's head)."""
   v = variant
   tokens = np.asarray(batch.tokens)
   mask = np.asarray(batch.action_mask, np.float64) * np.asarray(batch.segment_mask, np.float64)[:, :1]
@@ -246,7 +249,7 @@ def sao_step(policy: nnx.Module, critic: nnx.Module, batch, s: Settings, variant
   behavior = np.asarray(batch.behavior_logprobs, np.float64)
   rows = tokens.shape[0]
 
-  cgraph, cparams, crest = _split(critic, CRITIC_TRAINED)
+  cgraph, cparams, crest = _split(critic, critic_trained)
 
   def values_and_bootstrap(params):
     out = np.asarray(_critic_forward(cgraph, params, crest, jnp.asarray(tokens)), np.float64)
@@ -281,14 +284,14 @@ def sao_step(policy: nnx.Module, critic: nnx.Module, batch, s: Settings, variant
   advantages = advantages * mask  # The policy trains on its own tokens.
 
   # Ratio to the behaviour log-probs, strict band, one SGD step on the token mean.
-  pgraph, pparams, prest = _split(policy, nnx.Param)
+  pgraph, pparams, prest = _split(policy, policy_trained)
   logp0 = np.asarray(token_logprobs(pgraph, pparams, prest, jnp.asarray(tokens)), np.float64)
   ratio = np.exp(logp0 - behavior) if v.ratio_to == 'behavior' else np.ones_like(logp0)
   lo, hi = 1.0 - s.eps_low, 1.0 + s.eps_high
   kept = (ratio > lo) & (ratio < hi) if v.band == 'open' else (ratio >= lo) & (ratio <= hi)
   n = mask.sum() if v.denominator == 'all' else (mask * kept).sum()
   coef = -np.where(kept, ratio, 0.0) * advantages * mask / n
-  policy_after = _policy_update(policy, tokens, coef, s.actor_lr)
+  policy_after = _policy_update(policy, tokens, coef, s.actor_lr, policy_trained)
   return StepResult(policy=policy_after, critic=critic_after, ratio=ratio, kept=kept, advantages=advantages,
                     mask=mask, extra={'returns': returns, 'values_old': values_old, 'values_new': values_new,
                                       'bootstrap_old': boot_old, 'bootstrap_new': boot_new, 'lam': lam,

@@ -26,6 +26,7 @@ from flax import nnx
 from configs import base
 from sao_jax.learner import Learner, LearnerConfig
 from sao_jax.models import Decoder
+from sao_jax.models import lora
 from sao_jax.models import value as value_lib
 from sao_jax.structs import Batch
 from tests.learner import helpers as H
@@ -169,17 +170,22 @@ def _flat_model(model, trained):
   return ref.flat(params), ref.flat(rest)
 
 
-def _run_learner(algo, settings, policy, critic, batch, real, gae_over='actions') -> Run:
-  before = {'policy': _flat_model(policy, nnx.Param)[0]}
+def _run_learner(algo, settings, policy, critic, batch, real, gae_over='actions', policy_trained=nnx.Param,
+                 critic_trained=ref.CRITIC_TRAINED) -> Run:
+  before = {'policy': _flat_model(policy, policy_trained)[0]}
   if critic is not None:
-    before['critic'], before['critic_rest'] = _flat_model(critic, ref.CRITIC_TRAINED)
+    before['critic'], before['critic_rest'] = _flat_model(critic, critic_trained)
   learner = Learner(LearnerConfig.from_config(_config(algo, settings, len(batch.tokens), gae_over)), policy=policy,
-                    critic=critic, mesh=H.mesh(1, 1), model_config=H.MODEL)
+                    critic=critic, mesh=H.mesh(1, 1), model_config=policy.cfg)
+  if learner.base is not None:
+    before['base'] = ref.flat(H.host(learner.base))
   learner.update(batch)
   after = {'policy': ref.flat(H.host(learner.state.policy.params))}
   if critic is not None:
     after['critic'] = ref.flat(H.host(learner.state.critic.params))
     after['critic_rest'] = ref.flat(H.host(learner.state.critic.rest))
+  if learner.base is not None:
+    after['base'] = ref.flat(H.host(learner.base))
   return Run(policy, critic, batch, real, before, after)
 
 
@@ -189,6 +195,11 @@ def _sao(gae_over: str = 'actions') -> Run:
   critic = value_lib.ValueModel(H.MODEL, rngs=nnx.Rngs(1))  # Its own backbone; a non-zero head.
   critic.head.kernel[...] = 0.1 * jax.random.normal(jax.random.key(2), critic.head.kernel.shape)
   critic.head.bias[...] = 0.2
+  batch, real = _sao_batch(policy)
+  return _run_learner('sao', SAO, policy, critic, batch, real, gae_over)
+
+
+def _sao_batch(policy) -> tuple[Batch, np.ndarray]:
   tokens, action, real, rewards = _layout(SEGMENTS_SAO, SAO_REWARDS, seed=0)
   rows = len(tokens)
   truncated = np.zeros(rows, bool)
@@ -198,7 +209,32 @@ def _sao(gae_over: str = 'actions') -> Run:
   batch = Batch.from_rows(tokens=tokens, action_mask=action,
                           behavior_logprobs=_behavior(_initial_logprobs(policy, tokens), action, seed=0),
                           rewards=rewards, lengths=real.sum(axis=1), truncated=truncated, row_mask=row_mask)
-  return _run_learner('sao', SAO, policy, critic, batch, real, gae_over)
+  return batch, real
+
+
+# LoRA: every projection of the policy adapted (rank 4), the critic's MLP; B drawn non-zero (as after some training)
+# so that A has gradients too; the critic's base is the policy's (ValueModel.from_policy), shared by the learner.
+LORA_MODEL = H.MODEL.replace(lora_rank=4, lora_alpha=8.0, lora_targets=lora.TARGETS)
+LORA_CRITIC_TRAINED = nnx.All(nnx.Any(lora.ADAPTERS, nnx.PathContains('head')), nnx.Not(value_lib.CRITIC_ATTENTION))
+
+
+def _random_b(model, seed):
+  for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, lora.ADAPTERS))):
+    if path[-1] == 'b':
+      var[...] = 0.05 * jax.random.normal(jax.random.key(seed + i), var.shape)
+
+
+@functools.cache
+def _sao_lora() -> Run:
+  policy = Decoder(LORA_MODEL, rngs=nnx.Rngs(0))
+  _random_b(policy, 10)
+  critic = value_lib.ValueModel.from_policy(policy, rngs=nnx.Rngs(1), lora_rank=2, lora_targets=lora.MLP_TARGETS)
+  _random_b(critic, 20)
+  critic.head.kernel[...] = 0.1 * jax.random.normal(jax.random.key(2), critic.head.kernel.shape)
+  critic.head.bias[...] = 0.2
+  batch, real = _sao_batch(policy)
+  return _run_learner('sao', SAO, policy, critic, batch, real, policy_trained=lora.ADAPTERS,
+                      critic_trained=LORA_CRITIC_TRAINED)
 
 
 @functools.cache
@@ -389,6 +425,27 @@ def _report(algo, rows):
   text = '\n'.join(lines)
   logging.info('%s', text)
   print(text)
+
+
+
+
+class SaoLoraReferenceStepTest(absltest.TestCase):
+  """LoRA: the learner's SAO step moves exactly the adapters (and the critic's head) as the reference's SGD on them,
+  and leaves the shared base bit for bit."""
+
+  def test_adapters_match_the_reference_and_the_base_stays(self):
+    run = _sao_lora()
+    want = ref.sao_step(run.policy, run.critic, run.batch, SAO, real_tokens=run.real, policy_trained=lora.ADAPTERS,
+                        critic_trained=LORA_CRITIC_TRAINED)
+    for name in ('policy', 'critic'):
+      self.assertGreater(_dist(getattr(want, name), run.before[name]), 1000 * ATOL, f'{name} barely moved')
+      self.assertEqual(sorted(run.after[name]), sorted(getattr(want, name)))
+      self.assertLess(_dist(run.after[name], getattr(want, name)), ATOL, name)
+    self.assertTrue(all("_lora']" in k for k in run.after['policy']), sorted(run.after['policy']))
+    self.assertEqual(run.after['critic_rest'], {})  # Frozen attention has no adapter; the backbone is the base.
+    self.assertEqual(sorted(run.after['base']), sorted(run.before['base']))
+    for k, v in run.before['base'].items():
+      np.testing.assert_array_equal(run.after['base'][k], v, err_msg=k)
 
 
 if __name__ == '__main__':
