@@ -10,6 +10,7 @@ carries the version that produced it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
@@ -18,11 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from sao_jax import parallel
 from sao_jax.models.config import ModelConfig
 from sao_jax.models import decode as decode_lib
+from sao_jax.models import lora
 from sao_jax.models.decode import DecodeWeights, LayerWeights, decode_weights
 
 
@@ -337,6 +340,12 @@ def _copied(weights: DecodeWeights) -> DecodeWeights:
 _decode_copy = jax.jit(lambda graphdef, state: _copied(_to_decode_layout(graphdef, state)), static_argnums=(0,))
 
 
+def _merge_adapters(cfg: ModelConfig, layers: tuple[LayerWeights, ...], adapters: dict[str, jax.Array]
+                    ) -> tuple[LayerWeights, ...]:
+  """The base's decode-layout `layers` plus the LoRA adapters (`layer_params` names, stacked `[L, ...]`)."""
+  return tuple(decode_lib.add_adapters(cfg, w, {k: x[i] for k, x in adapters.items()}) for i, w in enumerate(layers))
+
+
 class WeightPublisher:
   """The newest policy weights and their version, in decode layout and compute dtype on the actors' sharding
   (`DecodePolicy`): one copy per version a process's actors all share (module docstring).
@@ -354,6 +363,10 @@ class WeightPublisher:
   copy); else `local_reshard` moves it device to device onto the actor devices. All of it is dispatched
   asynchronously (no host copy): the learner goes on.
 
+  A LoRA policy (`config.model.lora`): its frozen base is copied as above once, at the first publish; every later
+  publish moves its adapters only (a few MB), which a program on the actors' devices merges into a new copy of the
+  base's layers (`_lora_to_actors`).
+
   Published weights are futures of the programs that compute them. Besides the newest, the publisher keeps the
   newest computed version (`latest(computed=True)`, `computed_version`) until a newer one is computed too, so an
   actor that only takes computed weights always finds one (two copies at most; the trainer publishes once each
@@ -367,6 +380,8 @@ class WeightPublisher:
     self._published: list[_Published] = []  # Oldest first: the newest computed one, then newer ones in flight.
     self._programs: PublishPrograms | None = None
     self._target: DecodeWeights | None = None
+    self._base: DecodeWeights | None = None  # LoRA: the base on the actors' side (`_lora_to_actors`).
+    self._merge = None
 
   def _to_actors(self, model: nnx.Module) -> DecodeWeights:
     if self._actor_mesh is None:
@@ -393,9 +408,25 @@ class WeightPublisher:
         return self._published[0]
     return None
 
+  def _lora_to_actors(self, model: nnx.Module) -> DecodeWeights:
+    """A LoRA policy's weights for the actors: its base copied once (the first publish, `_to_actors` of
+    `base_model()`), then each version's adapters moved (replicated onto the base's devices: their bytes only) and
+    merged there into a new copy of the base's layers (`decode.add_adapters`); embeddings and norms are the base's."""
+    if self._base is None:
+      self._base = self._to_actors(model.base_model())
+      self._merge = jax.jit(functools.partial(_merge_adapters, model.cfg),
+                            out_shardings=jax.tree.map(lambda x: x.sharding, self._base.layers))
+    adapters = decode_lib.named_params(nnx.state(model, lora.ADAPTERS), decode_lib.LAYER_PATHS)
+    here = self._base.embed.sharding
+    here = NamedSharding(here.mesh, PartitionSpec()) if isinstance(here, NamedSharding) else here
+    adapters = {k: jax.device_put(x if x.is_fully_addressable else np.asarray(
+        multihost_utils.process_allgather(x, tiled=True)), here) for k, x in adapters.items()}
+    return self._base.replace(layers=self._merge(self._base.layers, adapters))
+
   def publish(self, model: nnx.Module, *, version: int) -> None:
-    """Copies `model` (the learner's policy) for the actors as policy `version`."""
-    policy = DecodePolicy(model.cfg, self._to_actors(model))
+    """Copies `model` (the learner's policy) for the actors as policy `version` (a LoRA policy: `_lora_to_actors`)."""
+    weights = self._lora_to_actors(model) if model.cfg.lora_rank else self._to_actors(model)
+    policy = DecodePolicy(model.cfg, weights)
     with self._lock:
       self._published.append(_Published(policy, int(version)))
       self._newest_computed()

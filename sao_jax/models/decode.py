@@ -172,6 +172,17 @@ def is_norm(name: str) -> bool:
   return name.endswith('norm')
 
 
+def fused_matmuls(cfg: ModelConfig, p: dict[str, Array]) -> dict[str, Array]:
+  """`LayerWeights`' matmul fields from one layer's projections (q/k/v/o_proj, gate/up/down_proj in their model
+  layout), fused and transposed to `[out, in]`, not cast: wqkv, wo, w_gate_up, w_down. Linear in the projections."""
+  d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  return dict(
+      wqkv=jnp.concatenate([p['q_proj'].reshape(d, n * h), p['k_proj'].reshape(d, k * h),
+                            p['v_proj'].reshape(d, k * h)], axis=1).T,
+      wo=p['o_proj'].reshape(n * h, d).T,
+      w_gate_up=jnp.concatenate([p['gate_proj'], p['up_proj']], axis=1).T, w_down=p['down_proj'].T)
+
+
 def decode_layer(cfg: ModelConfig, p: dict[str, Array]) -> LayerWeights:
   """One layer's decode-layout weights from its parameters (`layer_params` without the `L` axis): LoRA adapters
   merged into their weights (W + s A B), matmul weights and biases cast to the compute dtype, fused and transposed;
@@ -180,18 +191,36 @@ def decode_layer(cfg: ModelConfig, p: dict[str, Array]) -> LayerWeights:
   for target in cfg.lora_targets if cfg.lora_rank else ():
     p[target] = lora.merged_weight(p[target], p.pop(f'{target}_lora_a'), p.pop(f'{target}_lora_b'), cfg.lora_scale)
   dt = jnp.dtype(cfg.dtype)
-  d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   cast = lambda x: x.astype(dt)
-  wqkv = jnp.concatenate([p['q_proj'].reshape(d, n * h), p['k_proj'].reshape(d, k * h),
-                          p['v_proj'].reshape(d, k * h)], axis=1).T
   bqkv = None
   if cfg.qkv_bias:
     bqkv = cast(jnp.concatenate([p['q_bias'].reshape(-1), p['k_bias'].reshape(-1), p['v_bias'].reshape(-1)])[:, None])
   return LayerWeights(
-      attn_norm=p['attn_norm'][:, None], wqkv=cast(wqkv), bqkv=bqkv,
+      attn_norm=p['attn_norm'][:, None], bqkv=bqkv,
       q_norm=p['q_norm'] if cfg.qk_norm else None, k_norm=p['k_norm'] if cfg.qk_norm else None,
-      wo=cast(p['o_proj'].reshape(n * h, d).T), mlp_norm=p['mlp_norm'][:, None],
-      w_gate_up=cast(jnp.concatenate([p['gate_proj'], p['up_proj']], axis=1).T), w_down=cast(p['down_proj'].T))
+      mlp_norm=p['mlp_norm'][:, None], **{name: cast(w) for name, w in fused_matmuls(cfg, p).items()})
+
+
+def add_adapters(cfg: ModelConfig, w: LayerWeights, adapters: dict[str, Array]) -> LayerWeights:
+  """`w` (a layer of the base in decode layout) plus the LoRA deltas s A B of `adapters` (that layer's
+  `<target>_lora_a` / `_b`, `layer_params` names), fused as `fused_matmuls` fuses the weights (it is linear), added in
+  float32 and cast back: the layer of the merged model, without the base's model-layout weights."""
+  shapes = lora.shapes(cfg)
+  deltas = {}
+  for target in lora.TARGETS:
+    in_shape, _, out_shape, _ = shapes[target]
+    if target in cfg.lora_targets:
+      a, b = (adapters[f'{target}_lora_{x}'].astype(jnp.float32) for x in 'ab')
+      deltas[target] = jnp.float32(cfg.lora_scale) * jnp.tensordot(a, b, axes=1)
+    else:
+      deltas[target] = jnp.zeros((*in_shape, *out_shape), jnp.float32)
+  merged = {name: (getattr(w, name).astype(jnp.float32) + delta).astype(getattr(w, name).dtype)
+            for name, delta in fused_matmuls(cfg, deltas).items() if set(_FUSED[name]) & set(cfg.lora_targets)}
+  return w.replace(**merged)
+
+
+_FUSED = dict(wqkv=('q_proj', 'k_proj', 'v_proj'), wo=('o_proj',), w_gate_up=('gate_proj', 'up_proj'),
+              w_down=('down_proj',))  # The projections each field of `fused_matmuls` holds.
 
 
 def decode_outer(cfg: ModelConfig, p: dict[str, Array]) -> tuple[Array, Array, Array]:

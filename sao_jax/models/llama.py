@@ -297,14 +297,21 @@ class Decoder(nnx.Module):
   def merged(self) -> Decoder:
     """This model without LoRA adapters, each adapted weight replaced by W + s A B (`lora.merged_weight`): a
     `Decoder` of `cfg.without_lora()` (what an HF export writes). Without adapters, `self`."""
+    return self._without_adapters(merge=True)
+
+  def base_model(self) -> Decoder:
+    """The frozen base under the LoRA adapters (their weights as they are, the adapters dropped): a `Decoder` of
+    `cfg.without_lora()` sharing this model's arrays. Without adapters, `self`."""
+    return self._without_adapters(merge=False)
+
+  def _without_adapters(self, merge: bool) -> Decoder:
     cfg = self.cfg
     if not cfg.lora_rank:
       return self
-    base_cfg = cfg.without_lora()
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(base_cfg, rngs=nnx.Rngs(0),
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg.without_lora(), rngs=nnx.Rngs(0),
                                                                   lm_head=self.has_lm_head)))
     flat = {tuple(str(k) for k in path): var.get_value() for path, var in nnx.to_flat_state(nnx.state(self))}
-    for target in cfg.lora_targets:
+    for target in cfg.lora_targets if merge else ():
       w = ('layers', lora.HOLDER[target], target)
       ab = tuple(flat[('layers', lora.HOLDER[target], lora.suffix(target), x)] for x in 'ab')
       flat[w] = jax.vmap(lambda w_, a, b: lora.merged_weight(w_, a, b, cfg.lora_scale))(flat[w], *ab)

@@ -22,6 +22,7 @@ from sao_jax.generate import weights
 from sao_jax.generate.weights import DecodePolicy, WeightPublisher, WeightsSource
 from sao_jax.learner import state as state_lib
 from sao_jax.models import decode
+from sao_jax.models import lora
 from sao_jax.models.build import model_config_of
 from sao_jax.models.llama import Decoder
 from tests import multiprocess
@@ -216,6 +217,40 @@ class PublisherTest(absltest.TestCase):
         self.assertEqual(sources[0].version, 4)
         with self.assertRaisesRegex(ValueError, 'model config'):
           sources[0].update_weights(DecodePolicy(policy.cfg.replace(num_layers=3), policy.weights))
+
+
+class LoraPublishTest(absltest.TestCase):
+  """A LoRA policy: the base copied once, then each publish moves only the adapters and merges them on the actors'
+  side into exactly the decode layout of the merged model (`Decoder.merged`)."""
+
+  def test_adapters_only_after_the_first_publish(self):
+    d = jax.devices()
+    for name, learner_devices, actor_mesh in (('one process, shared', d, None),
+                                              ('actor mesh', d[4:], parallel.make_actor_mesh(d[:2]))):
+      with self.subTest(name):
+        mesh = parallel.make_mesh(dict(data=1, fsdp=len(learner_devices), tensor=1), learner_devices)
+        config = _config()
+        config.model.lora.rank = 4
+        model, cfg = models.build(config.model, mesh=mesh, rules=RULES, seed=0)
+        self.assertEqual(cfg.lora_rank, 4)
+        graphdef, adapters, rest = nnx.split(model, lora.ADAPTERS, ...)
+        publisher = WeightPublisher(actor_mesh, RULES)
+        moved = []
+        for version in (0, 1):
+          if version:  # As after training: every B non-zero.
+            adapters = jax.tree.map(lambda x: x + 0.1 * jnp.ones_like(x), adapters)
+          policy_model = nnx.merge(graphdef, adapters, rest)
+          publisher.publish(policy_model, version=version)
+          policy, _ = publisher.latest()
+          for got, w in zip(jax.tree.leaves(policy.weights), _reference(policy_model.merged())):
+            np.testing.assert_allclose(np.asarray(got), w, atol=1e-6)
+          moved.append(policy.weights)
+          if actor_mesh is not None:
+            for got, target in zip(jax.tree.leaves(policy.weights),
+                                   jax.tree.leaves(weights.decode_shardings(policy.weights, actor_mesh, RULES))):
+              self.assertEqual(got.sharding, target)
+        self.assertIs(moved[1].embed, moved[0].embed)  # The base's arrays, not a second copy.
+        self.assertIsNot(moved[1].layers[0].wqkv, moved[0].layers[0].wqkv)
 
 
 class MultiProcessTest(absltest.TestCase):
