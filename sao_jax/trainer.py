@@ -50,6 +50,7 @@ from sao_jax.envs import registry
 from sao_jax.errors import ConfigError
 from sao_jax.errors import RunError
 from sao_jax.learner import Learner, LearnerConfig
+from sao_jax.learner import state as state_lib
 from sao_jax.generate.config import GenerateConfig
 from sao_jax.generate.weights import WeightPublisher
 from sao_jax.rollout import actor as actor_lib
@@ -264,14 +265,18 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
     raise ConfigError(f'config.model: the tokenizer has {tokenizer.vocab_size} tokens but the model only '
                       f'{model_config.vocab_size} embeddings (config.model.tokenizer={config.model.tokenizer!r}).')
   learner = Learner(LearnerConfig.from_config(config), policy=policy, mesh=mesh, model_config=model_config)
+  del policy  # The learner placed its own copy (and, with LoRA, its base): the built arrays can go now.
   cfg = learner.step_config
   group_size = cfg.group_size
   if int(tr.batch_size) % (jax.process_count() * group_size):
     raise ConfigError(f'config.trainer.batch_size={tr.batch_size}: each of the {jax.process_count()} process(es) '
                       f'feeds its own rows in whole groups of {group_size}; it must be a multiple of '
                       f'{jax.process_count() * group_size}.')
-  logging.info('Model %s: %.1fM parameters; algorithm %s (group size %d); mode %s.', model_config.name,
-               model_config.num_params() / 1e6, cfg.name, group_size, tr.mode)
+  adapters = state_lib.num_elements(learner.state.policy.params) if learner.lora else 0
+  logging.info('Model %s: %.1fM parameters%s; algorithm %s (group size %d); mode %s.', model_config.name,
+               model_config.num_params() / 1e6,
+               f', LoRA rank {model_config.lora_rank} ({adapters / 1e6:.2f}M trained)' if adapters else '',
+               cfg.name, group_size, tr.mode)
   if jax.process_count() > 1 and tr.pack == 'none':
     # Every bucket length's update compiled now, not inside `Learner.dispatch`: the first update (the first
     # collective of the learner's devices) then starts right after the loop's `parallel.sync('step')` on every

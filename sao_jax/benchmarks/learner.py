@@ -1,7 +1,7 @@
 r"""Learner throughput: one SAO step vs one GRPO step at the same token count, and the critic/policy split.
 
   python -m sao_jax.benchmarks.learner [--model=bench-25m --batch=8 --seq=256 --steps=3 --microbatch=2
-                                        --programs=sao,critic,grpo]
+                                        --programs=sao,critic,grpo] [--lora_rank=16]
 
 All three programs are the real `sao_jax.learner.Learner` update (jitted, sharded, state donated):
 
@@ -19,6 +19,10 @@ lengths of median `--median_len` and shape `--sigma`, clipped to `--min_len`..`-
 two layouts (`rollout.pack`): bucketed (`trainer.pack='none'`: one per row, padded to the smallest of `--buckets`
 that holds the longest) and packed (`'ffd'`: up to `--pack_segments` per row, first-fit decreasing); it prints
 each layout's padding fraction and trained (non-pad) tokens/s, and packed / bucketed.
+
+`--lora_rank=r` times each program with full fine-tuning and with rank-r LoRA adapters in turn (the policy's on
+every projection, the critic's on its MLP; one shared frozen base): step times and the compiled update's memory
+(its arguments: parameters, base, optimizer states, batch; its temporaries: gradients, activations).
 
 tokens/s = batch * seq / median step time (compile excluded, reported separately). Model FLOPs use the
 PaLM convention of `ModelConfig.flops_per_token` (forward + backward = 3 forwards; the critic has no
@@ -42,6 +46,7 @@ from sao_jax import parallel
 from sao_jax.benchmarks.common import matmul_peak
 from sao_jax.learner import Learner, LearnerConfig
 from sao_jax.models import Decoder, get_model_config
+from sao_jax.models import lora as lora_lib
 from sao_jax import rollout
 from sao_jax.structs import Batch, Trajectory
 
@@ -64,6 +69,9 @@ _SIGMA = flags.DEFINE_float('sigma', 1.0, 'lognormal: shape (std of log length).
 _MIN_LEN = flags.DEFINE_integer('min_len', 64, 'lognormal: shortest trajectory (the longest is --seq).')
 _BUCKETS = flags.DEFINE_list('buckets', [], 'lognormal: row lengths (default: 512, 768, 1024, 1536, ... up to --seq).')
 _SEGMENTS = flags.DEFINE_integer('pack_segments', 16, 'lognormal: trajectories per packed row at most.')
+_LORA = flags.DEFINE_integer('lora_rank', 0, 'Also run each program with LoRA adapters of this rank (every projection '
+                             'of the policy, the MLP of the critic: config.model.lora) beside full fine-tuning: step '
+                             'times and the update\'s compiled memory, LoRA / full.')
 
 
 def synthetic_batch(rows: int, seq: int, prompt: int, vocab: int, group: int, seed: int = 0) -> Batch:
@@ -109,10 +117,23 @@ def _config(algo: str, rows: int, group: int, devices: int):
   return c
 
 
-def time_program(config, policy, batch, steps: int, devices) -> tuple[float, float, dict]:
-  """(compile + first step seconds, median step seconds, last metrics) of one learner program."""
+def update_memory(learner: Learner, rows: int, seq: int) -> dict[str, int]:
+  """Bytes of the compiled update (per device): `state` = its arguments (parameters, a LoRA base, optimizer states;
+  and the batch), `temp` = its temporaries (gradients, activations), `total` = the two (outputs alias the donated
+  state)."""
+  mem = learner.lower_update(rows, seq).compile().memory_analysis()
+  state, temp = int(mem.argument_size_in_bytes), int(mem.temp_size_in_bytes)
+  return {'state': state, 'temp': temp, 'total': state + temp}
+
+
+def time_program(config, policy, batch, steps: int, devices, memory: dict | None = None
+                 ) -> tuple[float, float, dict]:
+  """(compile + first step seconds, median step seconds, last metrics) of one learner program; `memory`: filled
+  with `update_memory`'s figures."""
   learner = Learner(LearnerConfig.from_config(config), policy=policy,
                     mesh=parallel.make_mesh(config.mesh, devices=devices))
+  if memory is not None:
+    memory.update(update_memory(learner, *batch.tokens.shape))
   t0 = time.perf_counter()
   learner.update(batch)
   first = time.perf_counter() - t0
@@ -147,6 +168,8 @@ def main(argv):
   if _LENGTHS.value == 'lognormal':
     print(f'model {cfg.name}: {cfg.num_params() / 1e6:.1f}M params; {platform}')
     return _long_tail(cfg, policy, names, devices)
+  if _LORA.value:
+    return _lora(cfg, names, devices)
   print(f'model {cfg.name}: {cfg.num_params() / 1e6:.1f}M params; batch {rows} x {seq} = {tokens} tokens '
         f'({seq - _PROMPT.value} action tokens per row); {platform}')
   print(f'microbatch: {_MICRO.value or rows} rows ({rows // (_MICRO.value or rows)} per optimizer update)')
@@ -188,6 +211,41 @@ def main(argv):
     m = runs['sao'][2]
     print(f'SAO critic grad norm {m["critic/grad_norm"]:.3g} (frozen attention), '
           f'policy grad norm {m["policy/grad_norm"]:.3g}')
+
+
+def _lora(cfg, names, devices) -> None:
+  """`--lora_rank=r`: each program with full fine-tuning and with rank-r adapters, in turn, on the same batch."""
+  rows, seq, rank = _BATCH.value, _SEQ.value, _LORA.value
+  lora_cfg = cfg.replace(lora_rank=rank, lora_targets=lora_lib.TARGETS)
+  adapters = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
+      nnx.state(nnx.eval_shape(lambda: Decoder(lora_cfg, rngs=nnx.Rngs(0))), lora_lib.ADAPTERS)))
+  print(f'model {cfg.name}: {cfg.num_params() / 1e6:.1f}M params, rank-{rank} adapters on every projection '
+        f'{adapters / 1e6:.2f}M ({100 * adapters / cfg.num_params():.2f}%); batch {rows} x {seq}; '
+        f'{len(devices)} {devices[0].platform} device(s); jax {jax.__version__}')
+  batch = synthetic_batch(rows, seq, _PROMPT.value, cfg.vocab_size, _GROUP.value)
+  rows_out = []
+  for prog in _PROGRAMS.value:
+    out = {}
+    for kind, model_cfg in (('full', cfg), ('lora', lora_cfg)):
+      config = _config('grpo' if prog == 'grpo' else 'sao', rows, _GROUP.value, len(devices))
+      config.model.lora.rank = rank if kind == 'lora' else 0
+      if prog == 'critic':
+        config.algo.critic_warmup_steps = 10 ** 9
+      memory = {}
+      print(f'{prog} {kind}:', flush=True)
+      _, med, _ = time_program(config, lambda c=model_cfg: Decoder(c, rngs=nnx.Rngs(0)), batch, _STEPS.value,
+                               devices, memory)
+      out[kind] = (med, memory)
+    rows_out.append((prog, out))
+  mib = lambda b: b / 2 ** 20
+  print(f'\n{"program":<74} {"step s full":>11} {"LoRA":>7} {"speed-up":>8}   '
+        f'{"update MiB full (state + temp)":>30} {"LoRA":>20} {"LoRA/full":>9}')
+  for prog, out in rows_out:
+    (full_s, full_m), (lora_s, lora_m) = out['full'], out['lora']
+    print(f'{names[prog]:<74} {full_s:11.3f} {lora_s:7.3f} {full_s / lora_s:7.2f}x   '
+          f'{mib(full_m["total"]):10.1f} ({mib(full_m["state"]):.1f} + {mib(full_m["temp"]):.1f}) '
+          f'{mib(lora_m["total"]):9.1f} ({mib(lora_m["state"]):.1f} + {mib(lora_m["temp"]):.1f}) '
+          f'{100 * lora_m["total"] / full_m["total"]:8.1f}%')
 
 
 def _long_tail(cfg, policy, names, devices) -> None:
