@@ -335,12 +335,8 @@ def _check_relations(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_lora(config: ml_collections.ConfigDict) -> None:
-  """A LoRA critic whose attention is frozen has no attention adapters (they would be zeros that never train); the
-  supervised warm start trains whole models (not adapters) and is refused with LoRA."""
+  """A LoRA critic whose attention is frozen has no attention adapters (they would be zeros that never train)."""
   lora = config.model.lora
-  if lora.rank and config.sft.steps:
-    raise ConfigError(f'config.sft.steps={config.sft.steps} with config.model.lora.rank={lora.rank}: the warm start '
-                      'trains the whole policy, not LoRA adapters; set one of them to 0.')
   frozen = set(lora.critic_targets) & set(model_config_lib.LORA_ATTENTION_TARGETS)
   if lora.rank and config.optim.freeze_critic_attention and frozen:
     raise ConfigError(f'config.model.lora.critic_targets={tuple(lora.critic_targets)!r} adapts the critic\'s '

@@ -229,18 +229,23 @@ def sft_optimizer(settings: SftConfig):
   return optim_lib.make_optimizer(o, settings.lr)
 
 
-def make_sft_step(spec: state_lib.ModelSpec, shardings: state_lib.TrainState, mesh
+def make_sft_step(spec: state_lib.ModelSpec, shardings: state_lib.TrainState, mesh, base: Any = None,
+                  base_shardings: Any = None
                   ) -> Callable[[state_lib.TrainState, dict[str, Any]], tuple[state_lib.TrainState, Metrics]]:
   """`(train state, rows) -> (train state, metrics)`: one guarded optimizer update on `sft_loss` (jitted,
-  state donated, rows sharded over the data axes). Metrics: loss, nll, tokens, grad_norm, skipped."""
+  state donated, rows sharded over the data axes). Metrics: loss, nll, tokens, grad_norm, skipped. `base`: the
+  learner's shared base (LoRA: the train state holds the adapters), an input of the step, not donated."""
   objective = sft_objective()
 
-  def step(ts, rows):
-    return steps_lib.run_updates(spec, ts, rows, objective, epochs=1, minibatch_size=0, mesh=mesh)
+  def step(ts, rows, base):
+    new, metrics = steps_lib.run_updates(spec, state_lib.with_base(spec, ts, base), rows, objective, epochs=1,
+                                         minibatch_size=0, mesh=mesh)
+    return new.replace(rest=ts.rest), metrics
 
   rows_sh = {'tokens': parallel.batch_sharding(mesh, 2), 'mask': parallel.batch_sharding(mesh, 2)}
-  return jax.jit(step, in_shardings=(shardings, rows_sh), out_shardings=(shardings, parallel.replicated(mesh)),
-                 donate_argnums=(0,))
+  jitted = jax.jit(step, in_shardings=(shardings, rows_sh, base_shardings),
+                   out_shardings=(shardings, parallel.replicated(mesh)), donate_argnums=(0,))
+  return lambda ts, rows: jitted(ts, rows, base)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -248,13 +253,16 @@ def make_sft_step(spec: state_lib.ModelSpec, shardings: state_lib.TrainState, me
 
 
 def _reset_critic(learner: Learner) -> None:
-  """The critic re-initialised from the current policy (backbone copied, zero head), fresh optimizer state."""
+  """The critic re-initialised from the current policy (backbone copied, zero head), fresh optimizer state. With
+  LoRA its backbone is the shared base (the policy's warm-started adapters are not the critic's) and its adapters
+  fresh."""
   if learner.critic_spec is None:
     return
   spec = learner.critic_spec
-  critic = learner_lib.default_critic(learner.policy_model(), learner.settings.seed + 1, learner.settings.critic_remat)
+  critic = learner_lib.default_critic(learner.policy_model(), learner.settings.seed + 1, learner.settings.critic_remat,
+                                      learner.settings.critic_lora if learner.lora else (0, ()))
   _, ts, _ = state_lib.create_train_state(critic, spec.tx, learner.mesh, learner.settings.rules,
-                                          trainable=spec.trainable)
+                                          trainable=spec.trainable, shared=spec.shared, base_prefix=spec.base_prefix)
   learner.state = learner.state.replace(critic=ts)
 
 
@@ -295,8 +303,10 @@ def warm_start(learner: Learner, task: envs_base.Task, tokenizer: Tokenizer, set
       return None
     return float(summary['greedy_accuracy'])
 
+  # The policy's own split: with LoRA the warm start trains the adapters over the learner's shared base.
   spec, ts, shardings = state_lib.create_train_state(learner.policy_model(), sft_optimizer(settings), learner.mesh,
-                                                     learner.settings.rules)
+                                                     learner.settings.rules, trainable=learner.policy_spec.trainable,
+                                                     shared=learner.policy_spec.shared)
   data = SolutionStream(task, tokenizer, seed=settings.data_seed, batch_size=settings.batch_size,
                         num_examples=settings.num_examples, seq_buckets=settings.seq_buckets, limits=settings.limits)
   # Carried across resumes: the accuracy before, the losses, the tokens and the seconds spent so far.
@@ -342,7 +352,8 @@ def warm_start(learner: Learner, task: envs_base.Task, tokenizer: Tokenizer, set
       if before is None:
         return None  # Nothing trained yet: nothing to save.
       out['sft/eval_accuracy_before'] = before
-    step_fn = make_sft_step(spec, shardings, learner.mesh)
+    step_fn = make_sft_step(spec, shardings, learner.mesh, learner.base,
+                            None if learner.base is None else jax.tree.map(lambda x: x.sharding, learner.base))
     t_steps = time.perf_counter()
     for i in range(done, steps):
       if should_stop():

@@ -17,6 +17,7 @@ from sao_jax import sft
 from sao_jax.envs import registry
 from sao_jax.learner import Learner, LearnerConfig
 from sao_jax.models import Decoder, get_model_config
+from sao_jax.models import lora
 from sao_jax.tokenizers import CharTokenizer
 
 MODEL = get_model_config('tiny', vocab_size=128, embed_dim=32, mlp_dim=64, num_heads=4, num_kv_heads=2,
@@ -128,6 +129,23 @@ class SftTest(absltest.TestCase):
         np.testing.assert_array_equal(value, np.asarray(policy[keys[1:]].get_value()), err_msg=str(keys))
       else:
         np.testing.assert_array_equal(value, 0.0, err_msg=str(keys))
+
+  def test_warm_start_with_lora_trains_the_adapters_over_the_shared_base(self):
+    config = self.config.copy_and_resolve_references()
+    config.model.lora.rank = 4
+    model = MODEL.replace(lora_rank=4, lora_targets=lora.TARGETS)
+    learner = Learner(LearnerConfig.from_config(config), policy=Decoder(model, rngs=nnx.Rngs(0)), mesh=self.mesh,
+                      model_config=model)
+    base = jax.tree.map(np.asarray, learner.base)
+    out = sft.warm_start(learner, self.task, self.tok, sft.SftConfig.from_config(config), evaluate=False)
+    self.assertLess(out['sft/loss_last'], out['sft/loss_first'])
+    jax.tree.map(np.testing.assert_array_equal, base, jax.tree.map(np.asarray, learner.base))
+    b = lambda state: np.asarray(state['layers']['mlp']['up_proj_lora']['b'].get_value())
+    self.assertGreater(np.abs(b(learner.state.policy.params)).max(), 0.0)  # B starts at 0.
+    # The critic: fresh adapters (B = 0) over the shared base, zero head.
+    critic = learner.state.critic.params
+    self.assertFalse(np.any(np.asarray(critic['backbone']['layers']['mlp']['up_proj_lora']['b'].get_value())))
+    self.assertFalse(np.any(np.asarray(critic['head']['kernel'].get_value())))
 
   def test_optimizer_schedule_warmup_then_constant_or_cosine(self):
     # SGD with gradient 1 on a scalar moves it by exactly lr(s) at step s: the schedule, read back.

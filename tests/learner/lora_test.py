@@ -133,10 +133,6 @@ class LoraConfigTest(absltest.TestCase):
     with self.assertRaisesRegex(ConfigError, 'critic_targets'):
       config_lib.validate(c, log=False)
 
-  def test_warm_start_with_lora_is_refused(self):
-    with self.assertRaisesRegex(ConfigError, 'sft.steps'):
-      config_lib.validate(_config(**{'sft.steps': 10}), log=False)
-
 
 if __name__ == '__main__':
   absltest.main()
