@@ -38,7 +38,8 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
                     JAX_COMPILATION_CACHE_MAX_SIZE='-1')
 
 # The files holding the suite's longest tests (each 30-160 s of one worker on 2 cores: trainer runs in child
-# processes, TPU plans, the continuous sampler's warm-ups), longest first. They run first: the README's command
+# processes, TPU plans, the continuous sampler's warm-ups, the learner's and samplers' equivalence tests' many
+# compiles), longest first. They run first: the README's command
 # splits the tests with xdist's `--dist worksteal` (a worker out of tests takes half of the other's queue), so
 # the run ends on short tests and neither worker waits on the other's last long one (in collection order these
 # files came last, and a worker sat idle while the other finished them).
