@@ -29,10 +29,10 @@ from jax.sharding import Mesh
 
 from sao_jax import parallel
 from sao_jax.learner import algo as algo_lib
-from sao_jax.models import lora as lora_lib
 from sao_jax.learner import optim as optim_lib
 from sao_jax.learner import state as state_lib
 from sao_jax.learner import steps as steps_lib
+from sao_jax.models import lora as lora_lib
 from sao_jax.structs import BATCH_FIELDS, Batch
 
 ModelOrFn = nnx.Module | Callable[[], nnx.Module]
@@ -59,6 +59,7 @@ def default_critic(policy: ModelOrFn, seed: int, remat: str = '', lora: tuple[in
   = (rank, targets) (rank 0: none)."""
   from sao_jax.models import value as value_lib  # pylint: disable=g-import-not-at-top
   rank, targets = lora
+
   def make_critic(p):  # Its Rngs made where it is used (inside the jit of a model function).
     return value_lib.ValueModel.from_policy(p, rngs=nnx.Rngs(seed), remat=remat, lora_rank=rank, lora_targets=targets)
 

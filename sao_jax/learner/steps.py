@@ -469,11 +469,11 @@ def sharing_base(step: Callable[..., Any], policy_spec: state_lib.ModelSpec,
           base: Any = None):
     if base is None:
       return step(state, batch, ref_params, hparams)
-    inside = state.replace(policy=state_lib.with_base(policy_spec, state.policy, base),
-                           critic=None if critic_spec is None else
-                           state_lib.with_base(critic_spec, state.critic, base))
+    policy = state_lib.with_base(policy_spec, state.policy, base)
+    critic = None if critic_spec is None else state_lib.with_base(critic_spec, state.critic, base)
+    inside = state.replace(policy=policy, critic=critic)
     if ref_params is not None:
-      ref_params = nnx.merge_state(ref_params, state_lib.with_base(policy_spec, state.policy, base).rest)
+      ref_params = nnx.merge_state(ref_params, policy.rest)
     new, metrics = step(inside, batch, ref_params, hparams)
     new = new.replace(policy=new.policy.replace(rest=state.policy.rest),
                       critic=None if new.critic is None else new.critic.replace(rest=state.critic.rest))

@@ -126,6 +126,20 @@ class LoraLearnerTest(absltest.TestCase):
     self.assertEmpty(jax.tree.leaves(rest))
 
 
+class LoraKlReferenceTest(absltest.TestCase):
+
+  def test_the_reference_is_the_initial_policy_without_a_copy(self):
+    """GRPO with a KL penalty: the reference is the base (the adapters zeroed), so the KL is 0 before the first
+    update and grows after; the learner holds no copy of the weights for it (a mutation referencing the current
+    adapters keeps the KL at 0)."""
+    config = H.config('grpo', **{'model.lora.rank': MODEL.lora_rank, 'algo.kl_coef': 0.1})
+    learner = _learner(config=config)
+    self.assertEqual(_size(learner.ref_state), _size(learner.state.policy.params))
+    kl = [learner.update(H.batch(i, pad_rows=0))['policy/kl_ref'] for i in range(3)]
+    self.assertEqual(kl[0], 0.0)
+    self.assertGreater(kl[2], 1e-7)
+
+
 class LoraConfigTest(absltest.TestCase):
 
   def test_critic_attention_adapters_while_frozen_are_refused(self):
