@@ -78,7 +78,7 @@ def _update_programs(raw_config: Any, cfg: ModelConfig, mesh: Mesh, rows: int, s
     first = first or learner
     prog = aot.compile_program(f'update ({name})',
                                lambda learner=learner: learner.lower_update(rows, seq_len, segments),
-                               args=learner.state, note=f'{rows} x {seq_len} tokens'
+                               args=(learner.state, learner.base), note=f'{rows} x {seq_len} tokens'
                                + (f', up to {segments} trajectories a row' if segments > 1 else ''))
 
     # The cost compiles run one microbatch's rows as the whole batch (no minibatch or microbatch loop) and count
@@ -265,7 +265,7 @@ def plan_programs(raw_config: Any, devices: list[Any], chip: aot.Chip | None, to
   rows = int(config.trainer.batch_size)
   seq_len = seq_len or max(int(t) for t in config.trainer.seq_buckets)
   updates, learner = _update_programs(raw_config, cfg, mesh, rows, seq_len, grpo)
-  learner_bytes = aot.tree_bytes_per_chip((learner.state, learner.ref_state))
+  learner_bytes = aot.tree_bytes_per_chip((learner.state, learner.ref_state, learner.base))  # LoRA: its base too.
 
   publish, weights = _publish(learner, actor_mesh, config.mesh.rules)
   settings = GenerateConfig.from_config(config)
