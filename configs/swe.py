@@ -3,7 +3,8 @@
     python -m sao_jax.main --config=configs/swe.py --workdir=/tmp/sao_swe \
         --config.model.name=qwen2.5-0.5b --config.model.hf_dir=DIR --config.model.tokenizer=hf
     python -m sao_jax.main --config=configs/swe.py:runlocal --workdir=/tmp/sao_swe_smoke   (tiny model, 2 steps)
-    python -m sao_jax.main --config=configs/swe.py --dry_run   (checks the config and reads every instance)
+    python -m sao_jax.main --config=configs/swe.py --workdir=/tmp/sao_swe --dry_run   (checks the config, reads every
+        instance)
 
 Instances: the shipped synthetic set (`sao_jax/envs/data/swe_synthetic.jsonl`, made by `python -m
 sao_jax.envs.swe_gen`) or any SWE-bench-format JSONL whose repositories are local directories
@@ -35,6 +36,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       observation_role='tool',  # Chat role of tool results.
       max_observation_chars=3000,  # A turn's tool results are cut to this, with a note.
       score_at_turn_limit=True,  # The last turn scores the tree (terminal); False: a truncated cut.
+      budget_ends_turn=False,  # A turn cut by max_new_tokens: True goes on (an error observation); False ends it.
       command_timeout_s=20.0,  # Wall clock of one run / test call.
       per_test_timeout_s=5.0,  # Wall clock of one test.
       verdict_timeout_s=120.0,  # Wall clock of the verdict.

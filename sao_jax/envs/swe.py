@@ -92,6 +92,8 @@ class SweOptions:
   max_action_chars: int = 200000  # A longer turn is not parsed (an error observation).
   max_calls_per_turn: int = 4  # Tool calls run per turn (later ones are reported as skipped).
   score_at_turn_limit: bool = True  # On the last turn without submit: score the tree (terminal), else a cut.
+  budget_ends_turn: bool = False  # A turn that runs out of sampler.max_new_tokens goes to the env as it is (its
+  # unclosed call gets an error observation) and the episode goes on; False: the episode ends there (cut mid-turn).
   command_timeout_s: float = 20.0  # Wall clock of one `run` / `test` call (sandbox).
   per_test_timeout_s: float = 5.0  # Wall clock of one test (its own process).
   verdict_timeout_s: float = 120.0  # Wall clock of the verdict (all hidden tests).
@@ -520,6 +522,7 @@ class SweEnv(base.BaseEnv):
     self.opts = opts
     self.sandboxes = sandboxes
     self.observation_role = opts.observation_role
+    self.budget_ends_turn = opts.budget_ends_turn  # Read by the episode runners (`rollout.episodes.absorb`).
     self.files: dict[str, str] = {}
     self.tool_calls: dict[str, int] = {}
     self.tool_seconds: list[tuple[str, float]] = []  # (tool, wall seconds) of every call, verdict included.
