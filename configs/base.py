@@ -207,7 +207,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   tr.save_retry_s = 10.0  # Seconds before the first retry; doubled before each next one.
   tr.weight_switch = 'turn'  # Actors take new weights between turns ('turn') or only between episodes ('episode').
   tr.allow_config_change = False  # Resume a workdir's checkpoint even when the config differs (named in the log).
-  tr.export_hf = ''  # Write the final policy as an HF directory here ('' = off).
+  tr.export_hf = ''  # Write the final policy as an HF directory here ('' = off); LoRA: merged, and adapter/ (PEFT).
   tr.tensorboard = True  # TensorBoard event files in WORKDIR/tensorboard.
   tr.wandb_project = ''  # Also log to this wandb project ('' = off; needs the wandb package).
   return c

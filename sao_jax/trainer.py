@@ -616,6 +616,8 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
       from sao_jax.models import hf_io  # pylint: disable=g-import-not-at-top
       with paths.StagedDir(str(tr.export_hf)) as export:  # A URI: written locally, then uploaded.
         hf_io.save_hf(final, model_config, export.local, tokenizer_dir=config.model.hf_dir or None)
+        if model_config.lora_rank:  # The merged model above; the adapters alone, for PEFT over the base, here.
+          hf_io.save_peft_adapter(final, paths.join(export.local, 'adapter'), base_model=config.model.hf_dir)
   wall = time.perf_counter() - t_start
   summary = {'steps': step, 'trajectories': trajectories_trained, 'wall_s': wall,
              'start_accuracy': None if first_eval is None else first_eval['eval_accuracy'],

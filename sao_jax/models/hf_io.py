@@ -246,6 +246,44 @@ def hf_state_dict(model: Decoder, cfg: ModelConfig | None = None) -> dict[str, n
   return out
 
 
+PEFT_MODULES = {t: ('self_attn.' if t in lora.ATTENTION_TARGETS else 'mlp.') + t for t in lora.TARGETS}
+
+
+def save_peft_adapter(model: Decoder, out_dir: str, base_model: str = '') -> None:
+  """Writes `model`'s LoRA adapters as a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) that
+  `peft.PeftModel.from_pretrained(<the base in transformers>, out_dir)` loads.
+
+  PEFT's delta of a projection is (alpha / r) lora_B.weight @ lora_A.weight on HF's `[out, in]` weight, so with
+  ours, s A B on `[*in, *out]`: lora_A.weight = A^T `[r, in]`, lora_B.weight = B^T `[out, r]` (flattened). `base_model`:
+  what the config names as the base (e.g. its HF directory).
+
+  Raises:
+    ValueError: the model has no adapters.
+  """
+  from safetensors.numpy import save_file
+  cfg = model.cfg
+  if not cfg.lora_rank:
+    raise ValueError('save_peft_adapter: the model has no LoRA adapters (ModelConfig.lora_rank is 0).')
+  flat = {tuple(str(k) for k in path): np.asarray(jax.device_get(var.get_value()), np.float32)
+          for path, var in nnx.to_flat_state(nnx.state(model, lora.ADAPTERS))}
+  shapes = lora.shapes(cfg)
+  tensors = {}
+  for target in cfg.lora_targets:
+    in_shape, _, out_shape, _ = shapes[target]
+    a, b = (flat[('layers', lora.HOLDER[target], lora.suffix(target), x)] for x in 'ab')
+    for i in range(cfg.num_layers):
+      name = f'base_model.model.model.layers.{i}.{PEFT_MODULES[target]}'
+      tensors[f'{name}.lora_A.weight'] = np.ascontiguousarray(a[i].reshape(int(np.prod(in_shape)), -1).T)
+      tensors[f'{name}.lora_B.weight'] = np.ascontiguousarray(b[i].reshape(cfg.lora_rank, -1).T)
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, 'adapter_config.json'), 'w') as f:
+    json.dump({'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'base_model_name_or_path': base_model,
+               'r': cfg.lora_rank, 'lora_alpha': cfg.lora_alpha, 'lora_dropout': 0.0, 'bias': 'none',
+               'target_modules': list(cfg.lora_targets), 'fan_in_fan_out': False, 'use_rslora': False,
+               'inference_mode': True, 'modules_to_save': None}, f, indent=2)
+  save_file(tensors, os.path.join(out_dir, 'adapter_model.safetensors'), metadata={'format': 'pt'})
+
+
 def save_hf(model: Decoder, cfg: ModelConfig | None, out_dir: str, tokenizer_dir: str | None = None) -> None:
   """Writes config.json, model.safetensors (float32 whatever `cfg.param_dtype`; config.json says torch_dtype
   float32; LoRA adapters merged) and the tokenizer files of `tokenizer_dir` to `out_dir`."""

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sao_jax.models import hf_io
+from sao_jax.models import lora
 
 torch = None
 transformers = None
@@ -122,6 +123,29 @@ class HFReferenceTest(parameterized.TestCase):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     self.assertEqual(type(reloaded).__name__, type(hf).__name__)
     np.testing.assert_allclose(_hf_logits(reloaded, tokens[:1]), ours[:1], atol=1e-4, rtol=0)
+
+  def test_lora_adapters_in_peft_and_merged_exports(self):
+    """A LoRA model (adapters on every projection, B drawn non-zero) written both ways: as a PEFT adapter directory
+    over the base HF directory (`peft.PeftModel`, transformers' own forward) and merged into a plain HF directory;
+    both give our adapter forward's logits. A transposed A or B, a wrong module name or scale, turns it red."""
+    import peft  # pylint: disable=g-import-not-at-top
+    _, path = _hf_model('qwen3_qknorm_untied')
+    model, cfg = hf_io.load_hf(path, lora_rank=3, lora_alpha=5.0, lora_targets=lora.TARGETS, lora_seed=1)
+    for i, (p, var) in enumerate(nnx.to_flat_state(nnx.state(model, lora.ADAPTERS))):
+      if p[-1] == 'b':
+        var[...] = 0.3 * jax.random.normal(jax.random.key(i), var.shape)
+    tokens = np.random.RandomState(2).randint(3, _VOCAB, (1, 16)).astype(np.int32)
+    ours = np.asarray(model(jnp.asarray(tokens)))
+    self.assertGreater(np.abs(ours - np.asarray(hf_io.load_hf(path)[0](jnp.asarray(tokens)))).max(), 0.1)
+    adapter_dir = tempfile.mkdtemp(prefix='peft_')
+    hf_io.save_peft_adapter(model, adapter_dir, base_model=path)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+    np.testing.assert_allclose(_hf_logits(with_adapter, tokens), ours, atol=1e-4, rtol=0)
+    merged_dir = tempfile.mkdtemp(prefix='merged_')
+    hf_io.save_hf(model, cfg, merged_dir)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    np.testing.assert_allclose(_hf_logits(merged, tokens), ours, atol=1e-4, rtol=0)
 
   def test_sharded_load_places_each_param_by_rules(self):
     _, path = _hf_model('qwen3_qknorm_untied')
