@@ -149,7 +149,8 @@ class Learner:
   Args:
     settings: the learner's settings (`LearnerConfig.from_config(config)`).
     policy: the policy `Decoder`, or a function creating it (preferred: created directly sharded).
-    critic: the value model (or a function); default `ValueModel.from_policy(policy)` for `sao`/`ppo`.
+    critic: the value model (or a function); default `ValueModel.from_policy(policy)` for `sao`/`ppo`. With LoRA
+      (the policy has adapters) the critic runs over the policy's base: its own backbone weights are not used.
     mesh: the learner mesh (default `parallel.make_mesh` of `settings.mesh` over all devices).
     model_config: the policy's `ModelConfig`, for layout checks (heads divisible by `tensor`).
     abstract: hold the state as `jax.ShapeDtypeStruct`s with their shardings and allocate nothing (`policy` and
