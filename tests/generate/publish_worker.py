@@ -4,7 +4,8 @@ Usage: python -m tests.generate.publish_worker OUT_DIR, started by `tests.multip
 4 CPU devices per process). For `mesh.actor_devices` 0, 1 and 2 it builds the tiny policy on the learner mesh
 (`parallel.split_devices`), publishes it twice (the second time doubled), and checks on each process that the
 actors' copy equals `decode.decode_weights` of the learner's values and carries exactly the actor mesh's decode
-shardings; it writes what it saw (and the per-device bytes of the publish's copy on the learner devices) to
+shardings; then a LoRA policy's two publishes (the base copied, then its adapters gathered and merged on each
+process's actor device) against the merged model's decode layout; it writes what it saw (and the per-device bytes of the publish's copy on the learner devices) to
 OUT_DIR/publish<process>.json.
 """
 
@@ -22,6 +23,7 @@ def main(out: str) -> None:
   from sao_jax import parallel  # pylint: disable=g-import-not-at-top
   from sao_jax.generate import weights  # pylint: disable=g-import-not-at-top
   from sao_jax.models import decode  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import lora  # pylint: disable=g-import-not-at-top
 
   assert parallel.initialize(timeout_s=120)
   assert jax.process_count() == 2 and jax.local_device_count() == 4, (jax.process_count(), jax.local_device_count())
@@ -58,6 +60,29 @@ def main(out: str) -> None:
         # Per learner device, the publish's copy (compiled by this process, grouped by the devices' processes).
         'learner_copy_bytes': weights.publish_bytes(model, mesh, rules)[0],
     }
+  # LoRA over 2 processes: the adapters (global arrays over both processes' learner devices) gathered on each host
+  # and merged on its actors' devices (`_lora_to_actors`), equal to the merged model's decode layout.
+  config.model.lora.rank = 4
+  mesh_config = dict(data=1, fsdp=-1, tensor=1, actor_devices=1)
+  learner_devices, actor_devices = parallel.split_devices(mesh_config)
+  mesh = parallel.make_mesh(mesh_config, learner_devices)
+  actor_mesh = parallel.make_actor_mesh(actor_devices)
+  model, _ = models.build(config.model, mesh=mesh, rules=rules, seed=0)
+  publisher = weights.WeightPublisher(actor_mesh, rules)
+  graphdef, adapters, rest = nnx.split(model, lora.ADAPTERS, ...)
+  bump = jax.jit(lambda s: jax.tree.map(lambda x: x + 0.1, s))  # B non-zero, as after training.
+  for version, learner_adapters in ((1, adapters), (2, bump(adapters))):
+    policy_model = nnx.merge(graphdef, learner_adapters, rest)
+    publisher.publish(policy_model, version=version)
+    policy, _ = publisher.latest()
+    graphdef_all, state = nnx.split(policy_model)
+    host = jax.device_put(parallel.to_host(state), jax.local_devices()[0])
+    want = jax.tree.leaves(jax.jit(decode.decode_weights)(nnx.merge(graphdef_all, host).merged()))
+    got = jax.tree.leaves(policy.weights)
+    for g, w, sh in zip(got, want, jax.tree.leaves(weights.decode_shardings(policy.weights, actor_mesh, rules))):
+      assert g.sharding == sh, ('lora', g.sharding, sh)
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6)
+  seen['lora'] = version
   with open(os.path.join(out, f'publish{jax.process_index()}.json'), 'w') as f:
     json.dump(seen, f)
   jax.distributed.shutdown()

@@ -265,6 +265,7 @@ class MultiProcessTest(absltest.TestCase):
         with open(os.path.join(out, f'publish{i}.json')) as f:
           seen.append(json.load(f))
     for process, got in enumerate(seen):
+      self.assertEqual(got['lora'], 2)  # Both LoRA publishes checked (the worker asserts them).
       # actor_devices n: the actors' devices and the learner's of each process (n = 0: all 4 shared).
       for n, actors, learners in (('0', 4, 4), ('1', 1, 3), ('2', 2, 2)):
         self.assertEqual(got[n]['actor_processes'], [process] * actors)
