@@ -166,6 +166,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       ('heads', 'tensor'),
       ('kv_heads', 'tensor'),
       ('mlp', 'tensor'),
+      ('expert', None),  # MoE experts: None = every expert on every chip (set 'expert' on a mesh with that axis).
       ('head_dim', None),
       ('layers', None),
       ('norm', None),

@@ -1,4 +1,5 @@
-"""Model configurations of the Llama-family decoder (Llama 3.x, SmolLM2, Qwen2/2.5, Qwen3).
+"""Model configurations of the Llama-family decoder (Llama 3.x, SmolLM2, Qwen2/2.5, Qwen3) and its mixture-of-experts
+variants (Qwen3-MoE, GLM-4.5 / GLM-4.5-Air: `num_experts > 0`, `sao_jax.models.moe`).
 
 `ModelConfig` is a frozen, hashable dataclass (it can be a static argument of `jax.jit`). Named configs are
 returned by `get_model_config(name, **overrides)`; `ModelConfig.from_hf_config` / `.to_hf_config` convert
@@ -31,6 +32,13 @@ ATTENTION_IMPLS = ('auto', 'reference', 'flash', 'splash')
 # The projections a LoRA adapter can target (HF PEFT's module names; `sao_jax.models.lora`).
 LORA_ATTENTION_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj')
 LORA_TARGETS = LORA_ATTENTION_TARGETS + ('gate_proj', 'up_proj', 'down_proj')
+# Router scoring of an MoE layer (`sao_jax.models.moe.route`): 'softmax' (Qwen3-MoE, Mixtral) or 'sigmoid'
+# (GLM-4.5, DeepSeek-V3: optional correction bias, grouped top-k).
+ROUTER_SCORINGS = ('softmax', 'sigmoid')
+# How an MoE layer computes its experts (`sao_jax.models.moe`): 'dropless' sorts the token-expert pairs by expert and
+# runs grouped matmuls (`jax.lax.ragged_dot`), no token dropped; 'capacity' gives each expert a buffer of
+# ceil(capacity_factor * M * k / E) slots (the pairs past it are dropped: their expert output is 0).
+MOE_IMPLS = ('dropless', 'capacity')
 
 
 def remat_policy(value: Any) -> str:
@@ -86,6 +94,29 @@ class ModelConfig:
     lora_rank: Rank r of the LoRA adapters (`sao_jax.models.lora`); 0 = none (full fine-tuning).
     lora_alpha: LoRA's alpha: an adapter adds (alpha / r) x A B.
     lora_targets: The projections that get an adapter (names of `LORA_TARGETS`).
+    partial_rotary_factor: Share of head_dim that RoPE rotates (GLM-4.5: 0.5): the first
+      `rotary_dim = int(head_dim * partial_rotary_factor)` (even) dims of each head, the rest pass unrotated.
+    num_experts: Routed experts E of each MoE layer; 0 = a dense model (every MoE field below is then unused).
+    num_experts_per_tok: Experts k each token is routed to (top-k; HF `num_experts_per_tok`), 1 <= k <= E.
+    moe_mlp_dim: Hidden width F_e of one expert's SwiGLU MLP (HF `moe_intermediate_size`); `mlp_dim` stays the
+      width of the dense layers' MLP.
+    router_scoring: 'softmax' (p = softmax(x W_r): Qwen3-MoE) or 'sigmoid' (s = sigmoid(x W_r): GLM-4.5 /
+      DeepSeek-V3), `ROUTER_SCORINGS`.
+    norm_topk_prob: Renormalise the k chosen weights to sum to 1 (HF `norm_topk_prob`).
+    router_bias: Sigmoid routers only: a per-expert correction bias b (HF `e_score_correction_bias`) added to the
+      scores for the choice of experts only, never to the weights; a state variable, not trained by gradient.
+    moe_groups: Expert groups G of grouped top-k (HF `n_group`; E % G == 0): each token first keeps the
+      `moe_topk_groups` groups whose two best (biased) scores sum highest, then picks its k experts among them.
+      1 = plain top-k.
+    moe_topk_groups: Groups kept per token (HF `topk_group`), 1 <= moe_topk_groups <= moe_groups.
+    routed_scaling_factor: Multiplies the routed experts' weights after the renormalisation (HF
+      `routed_scaling_factor`; 1.0 = none).
+    num_shared_experts: Width multiple of the always-on shared expert MLP (HF `n_shared_experts`): one SwiGLU of
+      hidden width num_shared_experts * moe_mlp_dim added to every MoE layer's output; 0 = none.
+    first_k_dense: The first `first_k_dense` layers are dense (HF `first_k_dense_replace`); the other
+      num_layers - first_k_dense are MoE layers. The two kinds are separate stacks (`layers`, `moe_layers`).
+    moe_impl: How experts are computed (`MOE_IMPLS`): 'dropless' (sorted grouped matmuls) or 'capacity'.
+    capacity_factor: moe_impl='capacity' only: expert buffers of ceil(capacity_factor * M * k / E) slots.
     max_position: Longest position the model is meant for (HF `max_position_embeddings`): informative, except as
       the reference length of 'dynamic' RoPE scaling and the default factor of 'yarn' (`rope_inv_freq`).
     name: Name of the config (informative).
@@ -115,6 +146,20 @@ class ModelConfig:
   lora_rank: int = 0
   lora_alpha: float = 32.0
   lora_targets: tuple[str, ...] = ()
+  partial_rotary_factor: float = 1.0
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_mlp_dim: int = 0
+  router_scoring: str = 'softmax'
+  norm_topk_prob: bool = True
+  router_bias: bool = False
+  moe_groups: int = 1
+  moe_topk_groups: int = 1
+  routed_scaling_factor: float = 1.0
+  num_shared_experts: int = 0
+  first_k_dense: int = 0
+  moe_impl: str = 'dropless'
+  capacity_factor: float = 1.25
   max_position: int = 8192
   name: str = ''
 
@@ -160,6 +205,70 @@ class ModelConfig:
                          f'{LORA_TARGETS}.')
       if not self.lora_alpha > 0:
         raise ValueError(f'ModelConfig.lora_alpha must be > 0, got {self.lora_alpha!r}.')
+    rot = self.head_dim * self.partial_rotary_factor
+    if not 0 < self.partial_rotary_factor <= 1 or rot != int(rot) or int(rot) % 2:
+      raise ValueError(f'ModelConfig.partial_rotary_factor={self.partial_rotary_factor!r}: must be in (0, 1] with '
+                       f'head_dim * partial_rotary_factor an even int (head_dim={self.head_dim}).')
+    self._check_moe()
+
+  def _check_moe(self):
+    """Validates the MoE fields (class docstring); each error names its field."""
+    def bad(field, why):
+      raise ValueError(f'ModelConfig.{field}={getattr(self, field)!r}: {why}')
+
+    if not isinstance(self.num_experts, int) or self.num_experts < 0:
+      bad('num_experts', 'must be an int >= 0 (0 = dense).')
+    if not self.num_experts:
+      return
+    e = self.num_experts
+    if not isinstance(self.num_experts_per_tok, int) or not 1 <= self.num_experts_per_tok <= e:
+      bad('num_experts_per_tok', f'must be an int in [1, num_experts={e}].')
+    if not isinstance(self.moe_mlp_dim, int) or self.moe_mlp_dim <= 0:
+      bad('moe_mlp_dim', 'must be a positive int (the expert MLP width) when num_experts > 0.')
+    if self.router_scoring not in ROUTER_SCORINGS:
+      bad('router_scoring', f'must be one of {ROUTER_SCORINGS}.')
+    if self.router_bias and self.router_scoring != 'sigmoid':
+      bad('router_bias', "a correction bias needs router_scoring='sigmoid'.")
+    if not isinstance(self.moe_groups, int) or self.moe_groups < 1 or e % self.moe_groups:
+      bad('moe_groups', f'must be an int >= 1 dividing num_experts={e}.')
+    if self.moe_groups > 1 and e // self.moe_groups < 2:
+      bad('moe_groups', 'grouped top-k scores a group by its two best experts: needs >= 2 experts a group.')
+    if not isinstance(self.moe_topk_groups, int) or not 1 <= self.moe_topk_groups <= self.moe_groups:
+      bad('moe_topk_groups', f'must be an int in [1, moe_groups={self.moe_groups}].')
+    if self.num_experts_per_tok > self.moe_topk_groups * (e // self.moe_groups):
+      bad('num_experts_per_tok', 'exceeds the experts of the kept groups (moe_topk_groups * num_experts / moe_groups).')
+    if not self.routed_scaling_factor > 0:
+      bad('routed_scaling_factor', 'must be > 0.')
+    if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+      bad('num_shared_experts', 'must be an int >= 0.')
+    if not isinstance(self.first_k_dense, int) or not 0 <= self.first_k_dense < self.num_layers:
+      bad('first_k_dense', f'must be an int in [0, num_layers={self.num_layers}) (at least one MoE layer).')
+    if self.moe_impl not in MOE_IMPLS:
+      bad('moe_impl', f'must be one of {MOE_IMPLS}.')
+    if not self.capacity_factor > 0:
+      bad('capacity_factor', 'must be > 0.')
+    if self.lora_rank:
+      bad('lora_rank', 'LoRA adapters on an MoE model (num_experts > 0) are not supported yet.')
+
+  @property
+  def is_moe(self) -> bool:
+    """Whether the model has MoE layers (`num_experts > 0`)."""
+    return self.num_experts > 0
+
+  @property
+  def num_dense_layers(self) -> int:
+    """Layers of the dense stack `layers`: all of them for a dense model, the first `first_k_dense` for an MoE."""
+    return self.first_k_dense if self.is_moe else self.num_layers
+
+  @property
+  def num_moe_layers(self) -> int:
+    """Layers of the MoE stack `moe_layers` (after the dense ones): num_layers - first_k_dense, 0 if dense."""
+    return self.num_layers - self.first_k_dense if self.is_moe else 0
+
+  @property
+  def rotary_dim(self) -> int:
+    """Dims of each head that RoPE rotates: head_dim * partial_rotary_factor."""
+    return int(self.head_dim * self.partial_rotary_factor)
 
   @property
   def lora_scale(self) -> float:
@@ -213,7 +322,11 @@ class ModelConfig:
     if self.qk_norm:
       attn += 2 * h
     block = attn + 3 * d * self.mlp_dim + 2 * d
-    total = self.num_layers * block + d
+    total = self.num_dense_layers * block + d
+    if self.is_moe:
+      moe = attn + 2 * d + d * self.num_experts + 3 * d * self.moe_mlp_dim * (self.num_experts
+                                                                             + self.num_shared_experts)
+      total += self.num_moe_layers * (moe + (self.num_experts if self.router_bias else 0))
     if include_embedding:
       total += self.vocab_size * d
     if not self.tie_embeddings:
@@ -224,11 +337,15 @@ class ModelConfig:
     """Training FLOPs per token (forward + backward) as in the PaLM appendix.
 
     `6 * N_matmul + 12 * L * N_heads * H * T_eff`, where N_matmul counts the weights used in matrix
-    multiplies (every block weight and the lm head, not the embedding lookup) and the attention term
-    counts QK^T and AV over a causal context (T_eff = seq_len / 2 on average).
+    multiplies (every block weight and the lm head, not the embedding lookup; of an MoE layer the router, the
+    k active experts and the shared one) and the attention term counts QK^T and AV over a causal context
+    (T_eff = seq_len / 2 on average).
     """
     d, h = self.embed_dim, self.head_dim
-    n_matmul = self.num_layers * (d * h * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * d * self.mlp_dim)
+    attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+    n_matmul = self.num_dense_layers * (attn + 3 * d * self.mlp_dim)
+    n_matmul += self.num_moe_layers * (attn + d * self.num_experts + 3 * d * self.moe_mlp_dim * (
+        self.num_experts_per_tok + self.num_shared_experts))
     n_matmul += self.vocab_size * d
     attn = 12 * self.num_layers * self.num_heads * h * seq_len / 2
     return 6.0 * n_matmul + attn
@@ -243,14 +360,14 @@ class ModelConfig:
       ValueError: naming the HF field when the checkpoint uses a feature this decoder does not implement.
     """
     model_type = hf.get('model_type', 'llama')
-    if model_type not in ('llama', 'qwen2', 'qwen3', 'mistral'):
+    if model_type not in ('llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'glm4_moe'):
       raise ValueError(f'config.json model_type={model_type!r} is not a supported Llama-family model '
-                       '(llama, qwen2, qwen3, mistral).')
+                       '(llama, qwen2, qwen3, mistral, qwen3_moe, glm4_moe).')
     if hf.get('hidden_act', 'silu') != 'silu':
       raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported.")
     if hf.get('mlp_bias', False):
       raise ValueError('config.json mlp_bias=true is not supported.')
-    if model_type != 'qwen2' and hf.get('attention_bias', False):
+    if model_type not in ('qwen2', 'glm4_moe') and hf.get('attention_bias', False):
       raise ValueError('config.json attention_bias=true (bias on q/k/v/o) is not supported for '
                        f'model_type={model_type!r}.')
     if hf.get('use_sliding_window', False):
@@ -271,8 +388,8 @@ class ModelConfig:
         raise ValueError(f'config.json rope scaling type {kind!r} is not supported (only {_ROPE_SCALING_TYPES}).')
       elif kind == 'yarn':  # As HF: the original context defaults to max_position_embeddings.
         rope_scaling.setdefault('original_max_position_embeddings', int(hf.get('max_position_embeddings', 8192)))
-      if rope_scaling is not None and rope_scaling.get('partial_rotary_factor', 1.0) != 1.0:
-        raise ValueError(f"config.json partial_rotary_factor={rope_scaling['partial_rotary_factor']} is not supported.")
+      if rope_scaling is not None:
+        rope_scaling.pop('partial_rotary_factor', None)  # A field of the config (below), not of the scaling.
     num_heads = int(hf['num_attention_heads'])
     embed_dim = int(hf['hidden_size'])
     eos = hf.get('eos_token_id')
@@ -293,19 +410,32 @@ class ModelConfig:
         norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
         tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
         qkv_bias=model_type == 'qwen2',
-        qk_norm=model_type == 'qwen3',
+        qk_norm=model_type in ('qwen3', 'qwen3_moe'),
         bos_id=hf.get('bos_token_id'),
         eos_ids=eos_ids,
         pad_id=int(pad),
         max_position=int(hf.get('max_position_embeddings', 8192)),
         name=hf.get('_name_or_path', '') or model_type,
     )
+    partial = hf.get('partial_rotary_factor', rope_params.get('partial_rotary_factor',
+                                                             (hf.get('rope_scaling') or {}).get('partial_rotary_factor',
+                                                                                                1.0)))
+    if partial is None and model_type == 'glm4_moe':
+      partial = 0.5  # HF Glm4MoeConfig's default.
+    kwargs['partial_rotary_factor'] = float(1.0 if partial is None else partial)
+    if model_type in ('qwen3_moe', 'glm4_moe'):
+      kwargs.update(_moe_from_hf(hf, model_type))
     kwargs.update(overrides)
     return cls(**kwargs)
 
   @property
   def hf_model_type(self) -> str:
-    """The HF architecture that represents this config: qwen3 (q/k norm), qwen2 (qkv bias) or llama."""
+    """The HF architecture that represents this config: qwen3 (q/k norm), qwen2 (qkv bias) or llama; an MoE model
+    glm4_moe (sigmoid router) or qwen3_moe (softmax router)."""
+    if self.is_moe:
+      return 'glm4_moe' if self.router_scoring == 'sigmoid' else 'qwen3_moe'
+    if self.partial_rotary_factor != 1.0:
+      raise ValueError('Only glm4_moe among the HF architectures here has partial_rotary_factor < 1.')
     if self.qk_norm and self.qkv_bias:
       raise ValueError('No HF architecture has both qk_norm and qkv_bias.')
     if self.qk_norm:
@@ -317,7 +447,8 @@ class ModelConfig:
   def to_hf_config(self) -> dict[str, Any]:
     """Returns an HF `config.json` dict (LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM)."""
     model_type = self.hf_model_type
-    arch = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM'}[model_type]
+    arch = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM',
+            'qwen3_moe': 'Qwen3MoeForCausalLM', 'glm4_moe': 'Glm4MoeForCausalLM'}[model_type]
     out = {
         'architectures': [arch],
         'model_type': model_type,
@@ -347,7 +478,46 @@ class ModelConfig:
       out.update(attention_bias=False)
     if model_type in ('qwen2', 'qwen3'):
       out.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
+    if model_type == 'qwen3_moe':
+      if (self.qkv_bias or not self.qk_norm or self.router_bias or self.moe_groups > 1 or self.num_shared_experts
+          or self.first_k_dense or self.routed_scaling_factor != 1.0):
+        raise ValueError('A softmax-routed MoE is written as qwen3_moe, which has q/k norm and no qkv bias, router '
+                         'bias, groups, shared experts, dense leading layers or routed scaling.')
+      out.update(attention_bias=False, num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                 moe_intermediate_size=self.moe_mlp_dim, norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
+                 mlp_only_layers=[], use_sliding_window=False, sliding_window=None)
+    if model_type == 'glm4_moe':
+      if not self.router_bias:
+        raise ValueError('glm4_moe always has a router correction bias (router_bias=True).')
+      out.update(attention_bias=self.qkv_bias, use_qk_norm=self.qk_norm, n_routed_experts=self.num_experts,
+                 num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_mlp_dim,
+                 norm_topk_prob=self.norm_topk_prob, n_group=self.moe_groups, topk_group=self.moe_topk_groups,
+                 routed_scaling_factor=self.routed_scaling_factor, n_shared_experts=self.num_shared_experts,
+                 first_k_dense_replace=self.first_k_dense, partial_rotary_factor=self.partial_rotary_factor,
+                 num_nextn_predict_layers=0)
     return out
+
+
+def _moe_from_hf(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+  """The MoE fields of `ModelConfig` from a qwen3_moe or glm4_moe `config.json` (refusing what is not implemented,
+  naming the HF field)."""
+  if model_type == 'qwen3_moe':
+    if int(hf.get('decoder_sparse_step', 1)) != 1:
+      raise ValueError(f"config.json decoder_sparse_step={hf['decoder_sparse_step']}: only 1 (every layer MoE).")
+    if hf.get('mlp_only_layers'):
+      raise ValueError(f"config.json mlp_only_layers={hf['mlp_only_layers']}: dense layers between MoE layers are "
+                       'not supported (only leading ones).')
+    return dict(num_experts=int(hf.get('num_experts', hf.get('num_local_experts'))),
+                num_experts_per_tok=int(hf['num_experts_per_tok']), moe_mlp_dim=int(hf['moe_intermediate_size']),
+                router_scoring='softmax', norm_topk_prob=bool(hf.get('norm_topk_prob', False)))
+  return dict(num_experts=int(hf.get('n_routed_experts', hf.get('num_local_experts'))),
+              num_experts_per_tok=int(hf['num_experts_per_tok']), moe_mlp_dim=int(hf['moe_intermediate_size']),
+              router_scoring='sigmoid', router_bias=True, norm_topk_prob=bool(hf.get('norm_topk_prob', True)),
+              moe_groups=int(hf.get('n_group') or 1), moe_topk_groups=int(hf.get('topk_group') or 1),
+              routed_scaling_factor=float(hf.get('routed_scaling_factor', 1.0)),
+              num_shared_experts=int(hf.get('n_shared_experts') or 0),
+              first_k_dense=int(hf.get('first_k_dense_replace', 0)),
+              qkv_bias=bool(hf.get('attention_bias', False)), qk_norm=bool(hf.get('use_qk_norm', False)))
 
 
 _NAMED: dict[str, dict[str, Any]] = {

@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from sao_jax.models import lora
+from sao_jax.models import moe as moe_lib
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.layers import apply_rope, default_positions, rms_norm, rope_inv_freq, rope_tables
 
@@ -64,8 +65,10 @@ class LayerWeights:
   k_norm: Array | None  # [H]
   wo: Array  # [D, N H]
   mlp_norm: Array  # [D, 1]
-  w_gate_up: Array  # [2F, D]: gate | up fused.
-  w_down: Array  # [D, F]
+  w_gate_up: Array | None  # [2F, D]: gate | up fused (None in an MoE layer).
+  w_down: Array | None  # [D, F]
+  moe: dict[str, Array] | None = None  # An MoE layer's `moe.PARAM_NAMES` in model layout (compute dtype; the
+  # router and its bias float32), run by `moe.moe_mlp` on the rows; None in a dense layer.
 
 
 @flax.struct.dataclass
@@ -147,6 +150,11 @@ LAYER_PATHS = dict(
     # LoRA adapters (`lora`), merged into their weights by `decode_layer`.
     **{f'{t}_lora_{ab}': ('layers', lora.HOLDER[t], lora.suffix(t), ab) for t in lora.TARGETS for ab in 'ab'})
 OUTER_PATHS = dict(embed=('embed', 'embedding'), final_norm=('final_norm', 'scale'), lm_head=('lm_head',))
+# The MoE stack's (`moe_layers`): attention and norms as `LAYER_PATHS`, the MLP's `moe.PARAM_NAMES` under `moe`.
+MOE_LAYER_PATHS = dict(
+    {name: ('moe_layers',) + path[1:] for name, path in LAYER_PATHS.items()
+     if path[1] != 'mlp' and 'lora' not in name},
+    **{name: ('moe_layers', 'moe', name) for name in moe_lib.PARAM_NAMES})
 
 
 def named_params(state: nnx.State, paths: dict[str, tuple[str, ...]]) -> dict[str, Any]:
@@ -157,8 +165,14 @@ def named_params(state: nnx.State, paths: dict[str, tuple[str, ...]]) -> dict[st
 
 
 def layer_params(model: nnx.Module) -> dict[str, Array]:
-  """A `Decoder`'s per-layer parameters by name, stacked `[L, ...]` (`decode_layer` reads one layer of each)."""
+  """A `Decoder`'s per-layer parameters by name, stacked `[L, ...]` (`decode_layer` reads one layer of each): its
+  dense stack `layers` (an MoE model's first `first_k_dense` layers; empty if it has none)."""
   return named_params(nnx.state(model), LAYER_PATHS)
+
+
+def moe_layer_params(model: nnx.Module) -> dict[str, Array]:
+  """An MoE `Decoder`'s MoE stack (`moe_layers`) by name, stacked `[L_moe, ...]` (empty for a dense model)."""
+  return named_params(nnx.state(model), MOE_LAYER_PATHS)
 
 
 def outer_params(model: nnx.Module) -> dict[str, Array]:
@@ -176,11 +190,12 @@ def fused_matmuls(cfg: ModelConfig, p: dict[str, Array]) -> dict[str, Array]:
   """`LayerWeights`' matmul fields from one layer's projections (q/k/v/o_proj, gate/up/down_proj in their model
   layout), fused and transposed to `[out, in]`, not cast: wqkv, wo, w_gate_up, w_down. Linear in the projections."""
   d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  return dict(
-      wqkv=jnp.concatenate([p['q_proj'].reshape(d, n * h), p['k_proj'].reshape(d, k * h),
-                            p['v_proj'].reshape(d, k * h)], axis=1).T,
-      wo=p['o_proj'].reshape(n * h, d).T,
-      w_gate_up=jnp.concatenate([p['gate_proj'], p['up_proj']], axis=1).T, w_down=p['down_proj'].T)
+  out = dict(wqkv=jnp.concatenate([p['q_proj'].reshape(d, n * h), p['k_proj'].reshape(d, k * h),
+                                   p['v_proj'].reshape(d, k * h)], axis=1).T,
+             wo=p['o_proj'].reshape(n * h, d).T)
+  if 'router' not in p:  # A dense layer's MLP (an MoE layer's experts stay in model layout: `decode_layer`).
+    out.update(w_gate_up=jnp.concatenate([p['gate_proj'], p['up_proj']], axis=1).T, w_down=p['down_proj'].T)
+  return out
 
 
 def decode_layer(cfg: ModelConfig, p: dict[str, Array]) -> LayerWeights:
@@ -195,10 +210,17 @@ def decode_layer(cfg: ModelConfig, p: dict[str, Array]) -> LayerWeights:
   bqkv = None
   if cfg.qkv_bias:
     bqkv = cast(jnp.concatenate([p['q_bias'].reshape(-1), p['k_bias'].reshape(-1), p['v_bias'].reshape(-1)])[:, None])
+  experts = None
+  if 'router' in p:  # An MoE layer: router (and bias) float32, experts in model layout cast.
+    experts = {name: (p[name].astype(jnp.float32) if name.startswith('router') else cast(p[name]))
+               for name in moe_lib.PARAM_NAMES if name in p}
+  matmuls = {name: cast(w) for name, w in fused_matmuls(cfg, p).items()}
+  matmuls.setdefault('w_gate_up', None)
+  matmuls.setdefault('w_down', None)
   return LayerWeights(
       attn_norm=p['attn_norm'][:, None], bqkv=bqkv,
       q_norm=p['q_norm'] if cfg.qk_norm else None, k_norm=p['k_norm'] if cfg.qk_norm else None,
-      mlp_norm=p['mlp_norm'][:, None], **{name: cast(w) for name, w in fused_matmuls(cfg, p).items()})
+      mlp_norm=p['mlp_norm'][:, None], moe=experts, **matmuls)
 
 
 def add_adapters(cfg: ModelConfig, w: LayerWeights, adapters: dict[str, Array]) -> LayerWeights:
@@ -230,23 +252,29 @@ def decode_outer(cfg: ModelConfig, p: dict[str, Array]) -> tuple[Array, Array, A
   return p['embed'].astype(dt), p['final_norm'][:, None], unembed.astype(dt)
 
 
-def assemble(cfg: ModelConfig, stacked: dict[str, Array], outer: dict[str, Array]) -> DecodeWeights:
-  """`DecodeWeights` from `layer_params`' stacked arrays and `outer_params`' (arrays or abstract values)."""
-  layers = tuple(decode_layer(cfg, {name: x[i] for name, x in stacked.items()}) for i in range(cfg.num_layers))
+def assemble(cfg: ModelConfig, stacked: dict[str, Array], outer: dict[str, Array],
+             moe_stacked: dict[str, Array] | None = None) -> DecodeWeights:
+  """`DecodeWeights` from `layer_params`' stacked arrays and `outer_params`' (arrays or abstract values); an MoE
+  model's MoE layers (after its dense ones) from `moe_layer_params`' `moe_stacked`."""
+  layers = tuple(decode_layer(cfg, {name: x[i] for name, x in stacked.items()})
+                 for i in range(cfg.num_dense_layers))
+  layers += tuple(decode_layer(cfg, {name: x[i] for name, x in (moe_stacked or {}).items()})
+                  for i in range(cfg.num_moe_layers))
   embed, final_norm, unembed = decode_outer(cfg, outer)
   return DecodeWeights(embed=embed, layers=layers, final_norm=final_norm, unembed=unembed)
 
 
 def decode_weights(model: nnx.Module) -> DecodeWeights:
   """Re-lays-out a `Decoder`'s parameters for the cached forward pass (jit it: one fused copy)."""
-  return assemble(model.cfg, layer_params(model), outer_params(model))
+  return assemble(model.cfg, layer_params(model), outer_params(model),
+                  moe_layer_params(model) if model.cfg.is_moe else None)
 
 
 # Logical axis names of the decode layout's arrays (`config.mesh.rules` map them to mesh axes:
 # `generate.weights.decode_shardings`).
 _LAYER_AXES = dict(attn_norm=('norm', None), wqkv=('heads', 'embed'), bqkv=('heads', None), q_norm=('norm',),
                    k_norm=('norm',), wo=('embed', 'heads'), mlp_norm=('norm', None), w_gate_up=('mlp', 'embed'),
-                   w_down=('embed', 'mlp'))
+                   w_down=('embed', 'mlp'), moe=None)  # moe: None in a dense layer (MoE layers: not placed yet).
 _OUTER_AXES = dict(embed=('vocab', 'embed'), final_norm=('norm', None), unembed=('vocab', 'embed'))
 
 
@@ -442,6 +470,10 @@ def forward(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, tokens
                           key_block=chunk_key_block(t, window))
     x = x + proj(lw.wo, merge(att.reshape(b, t, n, h)))
     y = rms_norm(x, vec(lw.mlp_norm), cfg.norm_eps, axis=axis)
+    if lw.moe is not None:  # Experts on the rows [M, D].
+      out, _ = moe_lib.moe_mlp(cfg, y.T if col else y, lw.moe)
+      x = x + (out.T if col else out)
+      continue
     gate_up = proj(lw.w_gate_up, y)
     x = x + proj(lw.w_down, jax.nn.silu(take(gate_up, 0, f)) * take(gate_up, f, 2 * f))
   if all_positions:
@@ -562,6 +594,9 @@ def forward_mixed(cfg: ModelConfig, weights: DecodeWeights, cache: DecodeCache, 
       att.append(att_c.reshape(p * t, n * h))
     x = x + lw.wo @ jnp.concatenate(att).T  # [N H, M]
     y = rms_norm(x, lw.mlp_norm, cfg.norm_eps, axis=0)
+    if lw.moe is not None:  # Experts on the rows [M, D].
+      x = x + moe_lib.moe_mlp(cfg, y.T, lw.moe)[0].T
+      continue
     gate_up = lw.w_gate_up @ y
     x = x + lw.w_down @ (jax.nn.silu(gate_up[:f]) * gate_up[f:])
   hidden = rms_norm(x[:, :r], weights.final_norm, cfg.norm_eps, axis=0)

@@ -10,8 +10,13 @@ pairs, see `sao_jax.parallel.sharding`).
 Weight layouts (HF `nn.Linear.weight` is [out, in]; ours are [in, ...out]):
   q_proj [N*H, D] -> [D, N, H];  k_proj/v_proj [K*H, D] -> [D, K, H];  o_proj [D, N*H] -> [N, H, D];
   gate/up [F, D] -> [D, F];  down [D, F] -> [F, D];  lm_head [V, D] -> [D, V];  biases [n*H] -> [n, H].
+MoE (qwen3_moe, glm4_moe; HF layer l >= first_k_dense is our `moe_layers[l - first_k_dense]`): mlp.gate.weight
+  [E, D] -> router [D, E]; mlp.gate.e_score_correction_bias [E] -> router_bias; mlp.experts.{e}.gate_proj/up_proj
+  [F, D] -> gate_proj/up_proj [E, D, F] (expert e); down_proj [D, F] -> down_proj [E, F, D]; mlp.shared_experts.*
+  as a dense MLP -> shared_*_proj. A shard reads only its own layers and experts (an expert-split model loads
+  each device's experts only).
 
-Exporting (`save_hf`) writes `config.json` (Llama / Qwen2 / Qwen3 architecture), `model.safetensors`
+Exporting (`save_hf`) writes `config.json` (Llama / Qwen2 / Qwen3 / Qwen3-MoE / GLM-4-MoE architecture), `model.safetensors`
 (float32) and, if given, the tokenizer files of `tokenizer_dir`; `transformers.AutoModelForCausalLM` loads it.
 """
 
@@ -22,7 +27,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -32,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sao_jax.models import lora
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.llama import Decoder
+from sao_jax.models.llama import Decoder, RouterBias
 
 Rules = Sequence[tuple[str, Any]]
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'vocab.json',
@@ -84,34 +89,70 @@ class SafetensorsReader:
 # Name and layout mapping.
 
 
-def _param_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, Callable[[np.ndarray], np.ndarray], bool]]:
-  """Our param path -> (HF name or template with {l}, HF -> ours transform, stacked over layers)."""
+class _Entry(NamedTuple):
+  """Where one of our parameters comes from: an HF tensor name `template` (with `{l}` the HF layer index, `{e}` the
+  expert), the HF -> ours transform of one tensor, the HF layers of our stacked axis (None: not stacked) and the
+  experts of our expert axis (0: none). Ours is `[len(layers), experts, *transform(hf).shape]`, absent axes left
+  out."""
+  template: str
+  transform: Callable[[np.ndarray], np.ndarray]
+  layers: tuple[int, ...] | None = None
+  experts: int = 0
+
+  def names(self) -> list[str]:
+    """Every HF tensor name of this parameter, in our layout's order (layers outer, experts inner)."""
+    layers = (None,) if self.layers is None else self.layers
+    experts = (None,) if not self.experts else range(self.experts)
+    return [self.template.format(l=l, e=e) for l in layers for e in experts]
+
+
+def _param_map(cfg: ModelConfig) -> dict[tuple[str, ...], _Entry]:
+  """Our param path -> its `_Entry` (HF names and transform)."""
   n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.embed_dim
   ident = lambda w: w  # noqa: E731
   t = lambda w: w.T  # noqa: E731
   pre = 'model.layers.{l}.'
   m = {
-      ('embed', 'embedding'): ('model.embed_tokens.weight', ident, False),
-      ('final_norm', 'scale'): ('model.norm.weight', ident, False),
-      ('layers', 'attn_norm', 'scale'): (pre + 'input_layernorm.weight', ident, True),
-      ('layers', 'mlp_norm', 'scale'): (pre + 'post_attention_layernorm.weight', ident, True),
-      ('layers', 'attn', 'q_proj'): (pre + 'self_attn.q_proj.weight', lambda w: w.T.reshape(d, n, h), True),
-      ('layers', 'attn', 'k_proj'): (pre + 'self_attn.k_proj.weight', lambda w: w.T.reshape(d, k, h), True),
-      ('layers', 'attn', 'v_proj'): (pre + 'self_attn.v_proj.weight', lambda w: w.T.reshape(d, k, h), True),
-      ('layers', 'attn', 'o_proj'): (pre + 'self_attn.o_proj.weight', lambda w: w.T.reshape(n, h, d), True),
-      ('layers', 'mlp', 'gate_proj'): (pre + 'mlp.gate_proj.weight', t, True),
-      ('layers', 'mlp', 'up_proj'): (pre + 'mlp.up_proj.weight', t, True),
-      ('layers', 'mlp', 'down_proj'): (pre + 'mlp.down_proj.weight', t, True),
+      ('embed', 'embedding'): _Entry('model.embed_tokens.weight', ident),
+      ('final_norm', 'scale'): _Entry('model.norm.weight', ident),
   }
-  if cfg.qkv_bias:
-    m[('layers', 'attn', 'q_bias')] = (pre + 'self_attn.q_proj.bias', lambda b: b.reshape(n, h), True)
-    m[('layers', 'attn', 'k_bias')] = (pre + 'self_attn.k_proj.bias', lambda b: b.reshape(k, h), True)
-    m[('layers', 'attn', 'v_bias')] = (pre + 'self_attn.v_proj.bias', lambda b: b.reshape(k, h), True)
-  if cfg.qk_norm:
-    m[('layers', 'attn', 'q_norm', 'scale')] = (pre + 'self_attn.q_norm.weight', ident, True)
-    m[('layers', 'attn', 'k_norm', 'scale')] = (pre + 'self_attn.k_norm.weight', ident, True)
+  stacks = [('layers', tuple(range(cfg.num_dense_layers)))]
+  if cfg.is_moe:
+    stacks.append(('moe_layers', tuple(range(cfg.first_k_dense, cfg.num_layers))))
+  for stack, layers in stacks:
+    if not layers:
+      continue
+    per_layer = {
+        ('attn_norm', 'scale'): ('input_layernorm.weight', ident),
+        ('mlp_norm', 'scale'): ('post_attention_layernorm.weight', ident),
+        ('attn', 'q_proj'): ('self_attn.q_proj.weight', lambda w: w.T.reshape(d, n, h)),
+        ('attn', 'k_proj'): ('self_attn.k_proj.weight', lambda w: w.T.reshape(d, k, h)),
+        ('attn', 'v_proj'): ('self_attn.v_proj.weight', lambda w: w.T.reshape(d, k, h)),
+        ('attn', 'o_proj'): ('self_attn.o_proj.weight', lambda w: w.T.reshape(n, h, d)),
+    }
+    if cfg.qkv_bias:
+      per_layer[('attn', 'q_bias')] = ('self_attn.q_proj.bias', lambda b: b.reshape(n, h))
+      per_layer[('attn', 'k_bias')] = ('self_attn.k_proj.bias', lambda b: b.reshape(k, h))
+      per_layer[('attn', 'v_bias')] = ('self_attn.v_proj.bias', lambda b: b.reshape(k, h))
+    if cfg.qk_norm:
+      per_layer[('attn', 'q_norm', 'scale')] = ('self_attn.q_norm.weight', ident)
+      per_layer[('attn', 'k_norm', 'scale')] = ('self_attn.k_norm.weight', ident)
+    if stack == 'layers':
+      for proj in ('gate_proj', 'up_proj', 'down_proj'):
+        per_layer[('mlp', proj)] = (f'mlp.{proj}.weight', t)
+    else:
+      per_layer[('moe', 'router')] = ('mlp.gate.weight', t)
+      if cfg.router_bias:
+        per_layer[('moe', 'router_bias')] = ('mlp.gate.e_score_correction_bias', ident)
+      if cfg.num_shared_experts:
+        for proj in ('gate_proj', 'up_proj', 'down_proj'):
+          per_layer[('moe', f'shared_{proj}')] = (f'mlp.shared_experts.{proj}.weight', t)
+      for proj in ('gate_proj', 'up_proj', 'down_proj'):  # HF per-expert tensors [out, in].
+        m[(stack, 'moe', proj)] = _Entry(pre + 'mlp.experts.{e}.' + proj + '.weight', t, layers, cfg.num_experts)
+    for path, (name, transform) in per_layer.items():
+      m[(stack,) + path] = _Entry(pre + name, transform, layers)
   if not cfg.tie_embeddings:
-    m[('lm_head',)] = ('lm_head.weight', t, False)
+    m[('lm_head',)] = _Entry('lm_head.weight', t)
   return m
 
 
@@ -123,7 +164,8 @@ def _to_hf(ours: np.ndarray, path: tuple[str, ...], cfg: ModelConfig) -> np.ndar
     return ours.reshape(-1, cfg.embed_dim).T
   if path[-1] in ('q_bias', 'k_bias', 'v_bias'):
     return ours.reshape(-1)
-  if path[-1] in ('gate_proj', 'up_proj', 'down_proj', 'lm_head'):
+  if path[-1] in ('gate_proj', 'up_proj', 'down_proj', 'lm_head', 'router', 'shared_gate_proj', 'shared_up_proj',
+                  'shared_down_proj'):
     return ours.T
   return ours
 
@@ -190,24 +232,28 @@ def load_hf(hf_dir: str, *, dtype: str = 'float32', mesh: Mesh | None = None, ru
       return var.replace(jax.make_array_from_callback(value.shape, sharding, lambda index: value[index]))
     if key not in mapping:
       raise ValueError(f'No HF weight mapped to parameter {"/".join(key)}.')
-    template, transform, stacked = mapping[key]
+    entry = mapping[key]
+    transform = entry.transform
     sds = var.get_value()
-    names = [template.format(l=i) for i in range(cfg.num_layers)] if stacked else [template]
+    names = entry.names()
     for nm in names:
       if nm not in reader:
         raise ValueError(f'{hf_dir}: checkpoint lacks tensor {nm!r} (needed for {"/".join(key)}).')
+    lead = ((len(entry.layers),) if entry.layers is not None else ()) + ((entry.experts,) if entry.experts else ())
+    grid = np.arange(len(names)).reshape(lead) if lead else None  # Our leading (layer, expert) index -> name.
 
     def read(index) -> np.ndarray:
-      if stacked:
-        layers = range(cfg.num_layers)[index[0]]
-        out = np.stack([transform(reader.get(names[i]))[index[1:]] for i in layers])
-      else:
+      if not lead:
         out = transform(reader.get(names[0]))[index]
+      else:  # Only this shard's layers and experts are read, each sliced to the shard.
+        picks = grid[index[:len(lead)]]
+        out = np.stack([transform(reader.get(names[i]))[index[len(lead):]] for i in picks.reshape(-1)])
+        out = out.reshape(picks.shape + out.shape[1:])
       return np.ascontiguousarray(out, dtype=sds.dtype)
 
     expected = tuple(sds.shape)
     first = transform(reader.get(names[0]))
-    if tuple(((cfg.num_layers,) if stacked else ()) + first.shape) != expected:
+    if tuple(lead + first.shape) != expected:
       raise ValueError(f'{hf_dir}: {names[0]} has shape {reader.get(names[0]).shape}, which does not fit '
                        f'{"/".join(key)} {expected} of this config.')
     if mesh is None:
@@ -217,8 +263,7 @@ def load_hf(hf_dir: str, *, dtype: str = 'float32', mesh: Mesh | None = None, ru
     return var.replace(jax.make_array_from_callback(expected, sharding, read))
 
   state = jax.tree_util.tree_map_with_path(load, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  unused = set(reader.keys()) - {
-      tpl.format(l=i) for tpl, _, st in mapping.values() for i in (range(cfg.num_layers) if st else [0])}
+  unused = set(reader.keys()) - {name for entry in mapping.values() for name in entry.names()}
   unused -= {'lm_head.weight'}  # Tied checkpoints may still store it.
   if unused:
     logging.warning('load_hf(%s): %d checkpoint tensors unused, e.g. %s', hf_dir, len(unused), sorted(unused)[:3])
@@ -232,17 +277,15 @@ def hf_state_dict(model: Decoder, cfg: ModelConfig | None = None) -> dict[str, n
   cfg = (cfg or model.cfg).without_lora()
   mapping = _param_map(cfg)
   out = {}
-  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, RouterBias))):
     key = _var_path(path)
     if key not in mapping:
       raise ValueError(f'Parameter {"/".join(key)} has no HF name.')
-    template, _, stacked = mapping[key]
+    entry = mapping[key]
     value = np.asarray(jax.device_get(var.get_value()), dtype=np.float32)
-    if stacked:
-      for i in range(cfg.num_layers):
-        out[template.format(l=i)] = np.ascontiguousarray(_to_hf(value[i], key, cfg))
-    else:
-      out[template] = np.ascontiguousarray(_to_hf(value, key, cfg))
+    lead = ((len(entry.layers),) if entry.layers is not None else ()) + ((entry.experts,) if entry.experts else ())
+    for name, one in zip(entry.names(), value.reshape((-1,) + value.shape[len(lead):])):
+      out[name] = np.ascontiguousarray(_to_hf(one, key, cfg))
   return out
 
 

@@ -1,4 +1,4 @@
-"""Math shared by the plain forward (`llama`) and the cached forward (`decode`): RMSNorm, RoPE, positions.
+"""Math shared by the plain forward (`llama`) and the cached forward (`decode`): RMSNorm, RoPE, positions, SwiGLU.
 
 One definition each, so that the two forward passes compute the same function (tests compare them).
 """
@@ -65,6 +65,8 @@ def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None) -> RopeFrequenci
       (beyond L0 it extrapolates the unscaled frequencies). `seq_len=T` gives the frequencies HF would use for a
       call reaching length T.
 
+  H is `cfg.rotary_dim` (= head_dim unless `partial_rotary_factor` < 1: then the rotated dims only).
+
   Args:
     cfg: the model config.
     seq_len: 'dynamic' only: the sequence length T to scale for (ignored by the other types).
@@ -72,7 +74,7 @@ def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None) -> RopeFrequenci
   Returns:
     `RopeFrequencies(inv_freq float32 [H/2], attention_factor)`, what `rope_tables` takes.
   """
-  h = cfg.head_dim
+  h = cfg.rotary_dim  # head_dim, or its rotated share (partial_rotary_factor < 1: HF's `dim`).
   inv = _base_inv_freq(cfg.rope_theta, h)
   rs = cfg.rope_scaling
   if rs is None:
@@ -147,7 +149,13 @@ def rope_tables(positions: Array, freqs: RopeFrequencies | np.ndarray) -> tuple[
 
 
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
-  """Rotates halves of x [B, T, n, H]: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) (HF rotate_half)."""
+  """Rotates halves of x [B, T, n, H]: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) (HF rotate_half).
+
+  With cos, sin [B, T, R/2] for R < H (partial rotary), the first R dims rotate that way and the other H - R pass
+  through unchanged (HF's `q_rot`, `q_pass`)."""
+  rot = 2 * cos.shape[-1]
+  if rot < x.shape[-1]:
+    return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   c, s = cos[:, :, None, :], sin[:, :, None, :]
   return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
@@ -163,3 +171,30 @@ def default_positions(attention_mask: Array | None, batch: int, length: int,
   if offset is not None:
     pos = pos + offset[:, None]
   return pos
+
+
+@jax.custom_vjp
+def swiglu(gate: Array, up: Array) -> Array:
+  """silu(gate) * up, with a backward pass that reuses the forward's sigmoid.
+
+  d up = g * silu(gate),  d gate = g * up * s * (1 + gate * (1 - s)),  s = sigmoid(gate).
+  Saving s keeps exp out of the backward: XLA:CPU fuses the backward's elementwise math into the transposes
+  that feed the weight-gradient matmuls, and with a sigmoid inside, that fusion costs ~10x the same transpose with
+  multiplies only (docs/benchmarks/learner.md).
+  """
+  return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate: Array, up: Array):
+  s = jax.nn.sigmoid(gate)
+  return gate * s * up, (gate, up, s)
+
+
+def _swiglu_bwd(res, g: Array):
+  gate, up, s = res
+  d_up = g * (gate * s)
+  d_gate = g * up * (s * (1 + gate * (1 - s)))
+  return d_gate, d_up
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

@@ -58,8 +58,9 @@ from flax import nnx
 from sao_jax.models import attention
 from sao_jax.models import decode
 from sao_jax.models import lora
+from sao_jax.models import moe
 from sao_jax.models.config import REMAT_POLICIES, ModelConfig
-from sao_jax.models.layers import apply_rope, default_positions, rms_norm, rope_inv_freq, rope_tables
+from sao_jax.models.layers import apply_rope, default_positions, rms_norm, rope_inv_freq, rope_tables, swiglu
 
 Array = jax.Array
 
@@ -151,31 +152,57 @@ class MLP(nnx.Module):
     return lora.project(self, 'down_proj', 'btf,fd->btd', swiglu(gate, up))
 
 
-@jax.custom_vjp
-def swiglu(gate: Array, up: Array) -> Array:
-  """silu(gate) * up, with a backward pass that reuses the forward's sigmoid.
-
-  d up = g * silu(gate),  d gate = g * up * s * (1 + gate * (1 - s)),  s = sigmoid(gate).
-  Saving s keeps exp out of the backward: XLA:CPU fuses the backward's elementwise math into the transposes
-  that feed the weight-gradient matmuls, and with a sigmoid inside, that fusion costs ~10x the same transpose with
-  multiplies only (docs/benchmarks/learner.md).
-  """
-  return jax.nn.silu(gate) * up
+class RouterBias(nnx.Variable):
+  """An MoE router's correction bias (HF `e_score_correction_bias`): state of the model, not an `nnx.Param`, so no
+  optimizer trains it (it only moves the choice of experts, so it has no gradient; DeepSeek-V3 adjusts it by load)."""
 
 
-def _swiglu_fwd(gate: Array, up: Array):
-  s = jax.nn.sigmoid(gate)
-  return gate * s * up, (gate, up, s)
+class MoeMLP(nnx.Module):
+  """Mixture-of-experts MLP (`sao_jax.models.moe`): a router, E SwiGLU experts and an optional shared expert."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, e, f = cfg.embed_dim, cfg.num_experts, cfg.moe_mlp_dim
+    pd = _dtype(cfg.param_dtype)
+    out_std = f ** -0.5 / (2 * cfg.num_layers) ** 0.5
+    self.router = _param(rngs.params(), (d, e), ('embed', None), pd, stddev=d ** -0.5)
+    if cfg.router_bias:
+      self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), out_sharding=(None,), eager_sharding=False)
+    self.gate_proj = _param(rngs.params(), (e, d, f), ('expert', 'embed', 'mlp'), pd, stddev=d ** -0.5)
+    self.up_proj = _param(rngs.params(), (e, d, f), ('expert', 'embed', 'mlp'), pd, stddev=d ** -0.5)
+    self.down_proj = _param(rngs.params(), (e, f, d), ('expert', 'mlp', 'embed'), pd, stddev=out_std)
+    if cfg.num_shared_experts:
+      fs = f * cfg.num_shared_experts
+      self.shared_gate_proj = _param(rngs.params(), (d, fs), ('embed', 'mlp'), pd, stddev=d ** -0.5)
+      self.shared_up_proj = _param(rngs.params(), (d, fs), ('embed', 'mlp'), pd, stddev=d ** -0.5)
+      self.shared_down_proj = _param(rngs.params(), (fs, d), ('mlp', 'embed'), pd,
+                                     stddev=fs ** -0.5 / (2 * cfg.num_layers) ** 0.5)
+    self.cfg = cfg
+
+  def __call__(self, x: Array, mask: Array, experts: Array | None = None) -> tuple[Array, moe.MoeAux]:
+    """x [B, T, D], mask bool [B, T] (the valid tokens, of the statistics), experts int [B, T, k] (replay) or None
+    -> (y [B, T, D], `moe.MoeAux` with experts [B, T, k])."""
+    b, t, d = x.shape
+    p = {name: getattr(self, name)[...] for name in moe.PARAM_NAMES if hasattr(self, name)}
+    k = self.cfg.num_experts_per_tok
+    y, aux = moe.moe_mlp(self.cfg, x.reshape(b * t, d), p, mask.reshape(b * t),
+                         None if experts is None else experts.reshape(b * t, k))
+    return y.reshape(b, t, d), aux._replace(experts=aux.experts.reshape(b, t, k))
 
 
-def _swiglu_bwd(res, g: Array):
-  gate, up, s = res
-  d_up = g * (gate * s)
-  d_gate = g * up * (s * (1 + gate * (1 - s)))
-  return d_gate, d_up
+class MoeBlock(nnx.Module):
+  """Pre-norm MoE decoder block: h += Attn(RMSNorm(h)); h += MoE(RMSNorm(h)) (also returns the `moe.MoeAux`)."""
 
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pd = _dtype(cfg.param_dtype)
+    self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, param_dtype=pd)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, param_dtype=pd)
+    self.moe = MoeMLP(cfg, rngs=rngs)
 
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+  def __call__(self, h, cos, sin, segment_ids, experts=None):
+    h = h + self.attn(self.attn_norm(h), cos, sin, segment_ids)
+    y, aux = self.moe(self.mlp_norm(h), segment_ids > 0, experts)
+    return h + y, aux
 
 
 class Embedder(nnx.Module):
@@ -220,12 +247,10 @@ class Decoder(nnx.Module):
     pd = _dtype(cfg.param_dtype)
     self.embed = Embedder(cfg, rngs=rngs)
 
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
-    def make_blocks(r: nnx.Rngs) -> Block:
-      return Block(cfg, rngs=r)
-
-    self.layers = make_blocks(rngs)
+    if cfg.num_dense_layers:
+      self.layers = _stack(Block, cfg, cfg.num_dense_layers, rngs)
+    if cfg.is_moe:  # After the dense ones: a dense model's weights are those of the same seed as before.
+      self.moe_layers = _stack(MoeBlock, cfg, cfg.num_moe_layers, rngs)
     self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, param_dtype=pd)
     self.has_lm_head = lm_head
     if lm_head and not cfg.tie_embeddings:
@@ -242,7 +267,7 @@ class Decoder(nnx.Module):
 
   def __call__(self, tokens: Array, *, positions: Array | None = None, attention_mask: Array | None = None,
                segment_ids: Array | None = None, cache: decode.DecodeCache | None = None,
-               return_hidden: bool = False):
+               return_hidden: bool = False, return_aux: bool = False, routing: Array | None = None):
     """Runs the decoder.
 
     Args:
@@ -256,15 +281,20 @@ class Decoder(nnx.Module):
         (`segment_positions`). Excludes `attention_mask` (which is segment ids 1 on real tokens, 0 on padding).
       cache: a `decode.DecodeCache` to write this chunk into and attend over (prefill, decode or continuation).
       return_hidden: also return the final-norm hidden states [B, T, D] (compute dtype).
+      return_aux: without a cache only: also return the MoE layers' `moe.MoeAux`, stacked over them (experts
+        [L_moe, B, T, k], load [L_moe, E], aux_loss and dropped [L_moe]); None for a dense model.
+      routing: without a cache, MoE only: int [L_moe, B, T, k] experts to replay (`moe.route`) instead of choosing.
 
     Returns:
-      Without cache: logits float32[B, T, V], or (logits, hidden) with return_hidden.
+      Without cache: logits float32[B, T, V], or (logits, hidden) with return_hidden; `return_aux` appends the aux.
       With cache: (logits, new_cache), or (logits, hidden, new_cache) with return_hidden.
     """
     if cache is None:
-      hidden = self._forward(tokens, positions, attention_mask, segment_ids)
+      hidden, aux = self._forward(tokens, positions, attention_mask, segment_ids, routing)
       logits = self.logits_from_hidden(hidden)
-      return (logits, hidden) if return_hidden else logits
+      out = (logits, hidden) if return_hidden else (logits,)
+      out = out + (aux,) if return_aux else out
+      return out if len(out) > 1 else out[0]
     chex.assert_rank(tokens, 2)
     if segment_ids is not None:
       raise ValueError('segment_ids (packed sequences) are for the uncached forward pass only.')
@@ -277,9 +307,11 @@ class Decoder(nnx.Module):
     return (logits, hidden, new_cache) if return_hidden else (logits, new_cache)
 
   def hidden(self, tokens: Array, *, positions: Array | None = None, attention_mask: Array | None = None,
-             segment_ids: Array | None = None) -> Array:
-    """Final-norm hidden states [B, T, D] (compute dtype), without the lm head (arguments as `__call__`)."""
-    return self._forward(tokens, positions, attention_mask, segment_ids)
+             segment_ids: Array | None = None, return_aux: bool = False, routing: Array | None = None):
+    """Final-norm hidden states [B, T, D] (compute dtype), without the lm head (arguments as `__call__`); with
+    `return_aux`, (hidden, the MoE layers' `moe.MoeAux` or None)."""
+    hidden, aux = self._forward(tokens, positions, attention_mask, segment_ids, routing)
+    return (hidden, aux) if return_aux else hidden
 
   def unembedding(self) -> tuple[Array, str]:
     """The lm-head weight and its einsum layout: (E [V, D], 'vd') when tied, else (W [D, V], 'dv')."""
@@ -325,8 +357,8 @@ class Decoder(nnx.Module):
   # ---- Internals.
 
   def _forward(self, tokens: Array, positions: Array | None, attention_mask: Array | None,
-               segment_ids: Array | None) -> Array:
-    """Final-norm hidden states [B, T, D] of the plain (uncached) causal forward pass."""
+               segment_ids: Array | None, routing: Array | None = None) -> tuple[Array, moe.MoeAux | None]:
+    """Final-norm hidden states [B, T, D] of the plain (uncached) causal forward pass, and the MoE layers' aux."""
     cfg = self.cfg
     chex.assert_rank(tokens, 2)
     b, t = tokens.shape
@@ -349,10 +381,39 @@ class Decoder(nnx.Module):
     positions = positions.astype(jnp.int32)
     h = rows_split(jnp.take(self.embed.embedding[...], tokens, axis=0).astype(_dtype(cfg.dtype)))
     cos, sin = rope_tables(positions, rope_inv_freq(cfg))
-    return self.final_norm(self._run_layers(h, cos, sin, segment_ids))
+    if cfg.num_dense_layers:
+      h = self._run_layers(h, cos, sin, segment_ids)
+    aux = None
+    if cfg.is_moe:
+      if routing is not None:
+        chex.assert_shape(routing, (cfg.num_moe_layers, b, t, cfg.num_experts_per_tok))
+      h, aux = self._run_moe_layers(h, cos, sin, segment_ids, routing)
+    elif routing is not None:
+      raise ValueError('routing (replayed experts) is for an MoE model only.')
+    return self.final_norm(h), aux
+
+  def _run_moe_layers(self, h, cos, sin, segment_ids, routing):
+    """Applies the stacked MoE blocks as `_run_layers` the dense ones; their `moe.MoeAux` stacked over layers."""
+    cfg = self.cfg
+    graphdef, params = nnx.split(self.moe_layers)
+
+    def body(h, xs):
+      layer_params, experts = xs
+      h, aux = nnx.merge(graphdef, layer_params)(h, cos, sin, segment_ids, experts)
+      return rows_split(h), aux
+
+    if cfg.remat != 'none':
+      body = jax.checkpoint(body, policy=remat_policy_fn(cfg.remat), prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+      return jax.lax.scan(body, h, (params, routing))
+    auxes = []
+    for i in range(cfg.num_moe_layers):
+      h, aux = body(h, jax.tree.map(lambda x, i=i: x[i], (params, routing)))
+      auxes.append(aux)
+    return h, jax.tree.map(lambda *x: jnp.stack(x), *auxes)
 
   def _run_layers(self, h, cos, sin, segment_ids):
-    """Applies the L stacked blocks (`lax.scan`, or unrolled with `cfg.scan_layers=False`)."""
+    """Applies the stacked dense blocks (`lax.scan`, or unrolled with `cfg.scan_layers=False`)."""
     cfg = self.cfg
     graphdef, params = nnx.split(self.layers)
 
@@ -363,9 +424,20 @@ class Decoder(nnx.Module):
       body = jax.checkpoint(body, policy=remat_policy_fn(cfg.remat), prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
       return jax.lax.scan(body, h, params)[0]
-    for i in range(cfg.num_layers):
+    for i in range(cfg.num_dense_layers):
       h, _ = body(h, jax.tree.map(lambda x, i=i: x[i], params))
     return h
+
+
+def _stack(block: type, cfg: ModelConfig, n: int, rngs: nnx.Rngs) -> nnx.Module:
+  """`n` blocks of class `block` stacked along a leading 'layers' axis (one `nnx.vmap`-created module)."""
+
+  @nnx.split_rngs(splits=n)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+  def make(r: nnx.Rngs) -> nnx.Module:
+    return block(cfg, rngs=r)
+
+  return make(rngs)
 
 
 def segment_positions(segment_ids: Array) -> Array:
