@@ -15,7 +15,9 @@ from sao_jax.parallel.mesh import check_layout_sizes
 from sao_jax.parallel.mesh import actor_device_count
 from sao_jax.parallel.mesh import make_actor_mesh
 from sao_jax.parallel.mesh import make_mesh
+from sao_jax.parallel.mesh import EXPERT_AXIS
 from sao_jax.parallel.mesh import MESH_AXES
+from sao_jax.parallel.mesh import MOE_MESH_AXES
 from sao_jax.parallel.mesh import mesh_shape
 from sao_jax.parallel.mesh import split_devices
 from sao_jax.parallel.sharding import batch_sharding

@@ -23,6 +23,12 @@ from sao_jax.errors import ConfigError
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
+# Expert parallelism (MoE models): a mesh with an `expert` axis between fsdp and tensor; config.mesh.rules map the
+# logical axis 'expert' (the experts dim of the MoE weights, `models.llama.MoeMLP`) to it, so an expert weight
+# [E, D, F] lies over expert x fsdp x tensor. Rows are split over BATCH_AXES only (the expert axis holds every row
+# of its fsdp shard). `make_mesh` builds the 3-axis mesh; an expert mesh is built with these names for now.
+EXPERT_AXIS = 'expert'
+MOE_MESH_AXES = ('data', 'fsdp', EXPERT_AXIS, 'tensor')
 
 
 def mesh_shape(mesh_config: Any, num_devices: int) -> tuple[int, int, int]:
