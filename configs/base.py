@@ -186,6 +186,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   tr.microbatch_size = 0  # Rows per gradient-accumulation chunk of one optimizer step (0 = the whole minibatch).
   tr.policy_epochs = 1  # Passes of policy updates over a batch.
   tr.num_steps = 100  # Learner steps to run.
+  tr.max_train_minutes = 0.0  # Also stop once the run has trained this long (wall time less its evals, summed over a
+  # resumed run's processes); that last step is evaluated and checkpointed (0 = off: num_steps alone).
   tr.max_staleness = 4  # Drop trajectories whose params version lags the learner by more than this.
   tr.queue_size = 64  # Bound of the trajectory queue (sampler blocks when full).
   tr.prefetch = True  # Async: draw, pack and place the next batch while the learner's update runs.

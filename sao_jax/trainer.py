@@ -380,6 +380,7 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
   def evaluate(step: int) -> dict[str, float] | None:
     """The eval row values at `step`; None when a signal stopped it (within one batch of episodes)."""
     nonlocal eval_backend
+    t_eval = time.perf_counter()
     model, _ = publisher.latest()  # On the actors' devices (this process's own, on several processes).
     if eval_backend is None:
       eval_backend = rollout.make_backend(model, tokenizer, task, settings, version=step)
@@ -389,11 +390,13 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
     except eval_lib.Interrupted as e:
       logging.warning('Eval at step %d stopped by a signal (%s).', step, e)
       return None
+    finally:
+      eval_seconds[0] += time.perf_counter() - t_eval
     return {'eval_accuracy': summary['greedy_accuracy'], 'eval/greedy_reward': summary['greedy_reward'],
             'eval/truncated_fraction': summary['truncated_fraction']}
 
-  def eval_due(step: int) -> bool:
-    return bool(tr.eval_every) and (step % int(tr.eval_every) == 0 or step == int(tr.num_steps))
+  def eval_due(step: int, last: bool = False) -> bool:
+    return bool(tr.eval_every) and (step % int(tr.eval_every) == 0 or step == int(tr.num_steps) or last)
 
   # ---- Loop.
   # A fresh run (no checkpoint) drops every row an earlier attempt wrote: each step's row is written exactly once.
@@ -407,9 +410,16 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
   kept_rows = metrics_lib.read_metrics(config.workdir) if start else []
   carried = lambda key: next((r[key] for r in reversed(kept_rows) if r.get(key) is not None), 0)
   wall_before = float(carried('time/wall_s'))
+  eval_seconds = [float(carried('time/eval_s'))]  # Spent in evals, over the run's processes (`evaluate` adds).
 
   def wall_s() -> float:
     return wall_before + time.perf_counter() - t_start
+
+  max_train_s = 60.0 * float(tr.max_train_minutes)
+
+  def budget_spent() -> bool:
+    """The run's training time (its wall time less its evals) reached `trainer.max_train_minutes`, on any process."""
+    return bool(max_train_s) and _any_process(wall_s() - eval_seconds[0] >= max_train_s, 'time_budget')
 
   rows = int(tr.batch_size) // jax.process_count()  # This process's rows of each global batch.
   # Packed: the global row count splits into data shards x minibatches x microbatches (`steps.split_sizes`).
@@ -421,6 +431,7 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
   first_eval = last_eval = None
   step = start
   stopped = False
+  out_of_time = False
   save_retries, save_retry_s = int(tr.save_retries), float(tr.save_retry_s)
 
   def save(final: bool = False) -> None:
@@ -531,7 +542,8 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
     done_clock = _DoneClock()
     last_done = last_dispatch = time.perf_counter()
     upcoming = None
-    while not stopped and step < int(tr.num_steps) and not (stopped := stop.any_process()):
+    out_of_time = bool(start) and budget_spent()  # (Checked after each step: a fresh run makes at least one.)
+    while not stopped and not out_of_time and step < int(tr.num_steps) and not (stopped := stop.any_process()):
       if upcoming is None:
         upcoming = draw(step)
       packed, staleness, wait_s, dropped_pack, timing = upcoming
@@ -544,7 +556,8 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
       pending = learner.dispatch(packed.batch)
       done_clock.watch(pending[2:])  # The step's metrics and counters (ready when it has run).
       step += 1  # The policy version once this update lands (host-side: reading the device step would block).
-      if prefetch and step < int(tr.num_steps):
+      out_of_time = budget_spent()  # Then this step is the last: evaluated and checkpointed.
+      if prefetch and step < int(tr.num_steps) and not out_of_time:
         upcoming = draw(step)
         upcoming = (upcoming[0]._replace(batch=learner.put_batch(upcoming[0].batch)), *upcoming[1:])
       learner_metrics = learner.collect(pending)
@@ -579,12 +592,13 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
           **timing, 'learner/busy_s': dt - idle_s,
           **task.metrics(),  # E.g. drift/phase.
       }
-      if eval_due(step):
+      if eval_due(step, last=out_of_time):
         now = evaluate(step)  # (None: a signal stopped it; the resumed run evaluates this step and fills its row.)
         if now is not None:
           last_eval = now
           row.update(now)
       row['time/wall_s'] = wall_s()
+      row['time/eval_s'] = eval_seconds[0]
       writer.write(step, row)
       if step % int(tr.log_every) == 0 or step == int(tr.num_steps):
         logging.info(progress.line(step, row))
@@ -594,6 +608,13 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
         save()
       elif tr.checkpoint_every:
         check_saves()
+      if out_of_time:
+        logging.info('Training time budget spent (trainer.max_train_minutes=%s): stopping after step %d.',
+                     tr.max_train_minutes, step)
+        break
+    if out_of_time and step == start:
+      logging.info('Training time budget already spent (trainer.max_train_minutes=%s): no step run.',
+                   tr.max_train_minutes)
     if tr.checkpoint_every and step > start:  # The last step, or a signal's: committed before the run returns.
       save(final=True)
   finally:
@@ -622,7 +643,8 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
   summary = {'steps': step, 'trajectories': trajectories_trained, 'wall_s': wall,
              'start_accuracy': None if first_eval is None else first_eval['eval_accuracy'],
              'end_accuracy': None if last_eval is None else last_eval['eval_accuracy'],
-             'stopped_by_signal': stopped, 'generated_tokens': int(actor_tokens.total),
+             'stopped_by_signal': stopped, 'stopped_by_time_budget': out_of_time,
+             'generated_tokens': int(actor_tokens.total),
              'tokens_per_s': actor_tokens.total / wall if wall > 0 else 0.0}  # Actors' tokens over the whole run.
   if 'sft/eval_accuracy' in warm:  # start = before the warm start; sft = after it (step 0).
     summary.update(start_accuracy=warm['sft/eval_accuracy_before'], sft_accuracy=warm['sft/eval_accuracy'])

@@ -48,12 +48,16 @@ class TrainerTest(absltest.TestCase):
   def test_sync_run_trains_checkpoints_and_resumes_exactly(self):
     workdir = tempfile.mkdtemp()
     before = jax.config.jax_default_matmul_precision
-    config = tiny_config(workdir, 'highest', mode='sync')  # (Any precision: the CPU computes float32 in full.)
+    # (Any precision: the CPU computes float32 in full.) A training time budget spent at once: one step, then stop.
+    config = tiny_config(workdir, 'highest', mode='sync', max_train_minutes=1e-9)
     with mock.patch.object(jax.config, 'update', wraps=jax.config.update) as update:
       summary = trainer.run(config)
     # The run's programs were traced under the config's precision, and the process's is back after the run.
     update.assert_any_call('jax_default_matmul_precision', 'highest')
     self.assertEqual(jax.config.jax_default_matmul_precision, before)
+    self.assertEqual((summary['steps'], summary['stopped_by_time_budget']), (1, True))
+    summary = trainer.run(tiny_config(workdir, 'highest', mode='sync'))  # Resumed without a budget: on to step 2.
+    self.assertFalse(summary['stopped_by_time_budget'])
     self.assertEqual(summary['steps'], 2)
     self.assertEqual(summary['trajectories'], 16)
     rows = metrics.read_metrics(workdir)
@@ -86,6 +90,10 @@ class TrainerTest(absltest.TestCase):
     self.assertEqual(rows[2]['dropped/pack'], 1000)
     with checkpoint_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), keep=None) as ckpt:
       self.assertEqual(ckpt.restore(3, items=('data',)).data['prompts']['taken'], 24)
+    # A budget the run's carried training time (its wall time, 1e6 s, less its evals) has spent: no step on resume.
+    summary = trainer.run(tiny_config(workdir, 'highest', mode='sync', num_steps=5, max_train_minutes=60.0))
+    self.assertEqual((summary['steps'], summary['stopped_by_time_budget']), (3, True))
+    self.assertEqual([r['step'] for r in metrics.read_metrics(workdir)], [1, 2, 3])
 
     # A changed config is refused on resume, the differing field named (the workdir is left as it was).
     changed = tiny_config(workdir, 'highest', mode='sync', num_steps=4)
