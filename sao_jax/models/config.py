@@ -39,6 +39,10 @@ ROUTER_SCORINGS = ('softmax', 'sigmoid')
 # runs grouped matmuls (`jax.lax.ragged_dot`), no token dropped; 'capacity' gives each expert a buffer of
 # ceil(capacity_factor * M * k / E) slots (the pairs past it are dropped: their expert output is 0).
 MOE_IMPLS = ('dropless', 'capacity')
+# The grouped matmul of 'dropless' (`sao_jax.models.moe.grouped_matmul`): 'ragged_dot' (`jax.lax.ragged_dot`, TPU /
+# GPU), 'tiles' (a scan over (expert, row tile) visits: the CPU form; XLA:CPU runs ragged_dot as E dense products) or
+# 'auto' (tiles on a CPU, ragged_dot elsewhere, by the backend a program is traced for).
+MOE_MATMULS = ('auto', 'ragged_dot', 'tiles')
 
 
 def remat_policy(value: Any) -> str:
@@ -117,6 +121,7 @@ class ModelConfig:
       num_layers - first_k_dense are MoE layers. The two kinds are separate stacks (`layers`, `moe_layers`).
     moe_impl: How experts are computed (`MOE_IMPLS`): 'dropless' (sorted grouped matmuls) or 'capacity'.
     capacity_factor: moe_impl='capacity' only: expert buffers of ceil(capacity_factor * M * k / E) slots.
+    moe_matmul: moe_impl='dropless' only: its grouped matmul (`MOE_MATMULS`): 'auto', 'ragged_dot' or 'tiles'.
     max_position: Longest position the model is meant for (HF `max_position_embeddings`): informative, except as
       the reference length of 'dynamic' RoPE scaling and the default factor of 'yarn' (`rope_inv_freq`).
     name: Name of the config (informative).
@@ -160,6 +165,7 @@ class ModelConfig:
   first_k_dense: int = 0
   moe_impl: str = 'dropless'
   capacity_factor: float = 1.25
+  moe_matmul: str = 'auto'
   max_position: int = 8192
   name: str = ''
 
@@ -247,6 +253,8 @@ class ModelConfig:
       bad('moe_impl', f'must be one of {MOE_IMPLS}.')
     if not self.capacity_factor > 0:
       bad('capacity_factor', 'must be > 0.')
+    if self.moe_matmul not in MOE_MATMULS:
+      bad('moe_matmul', f'must be one of {MOE_MATMULS}.')
     if self.lora_rank:
       bad('lora_rank', 'LoRA adapters on an MoE model (num_experts > 0) are not supported yet.')
 
