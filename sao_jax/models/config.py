@@ -568,6 +568,20 @@ _NAMED: dict[str, dict[str, Any]] = {
     'qwen3-32b': dict(vocab_size=151936, embed_dim=5120, num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128,
                       mlp_dim=25600, rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=False, qk_norm=True,
                       bos_id=151643, eos_ids=(151645, 151643), pad_id=151643, max_position=40960),
+    # Mixture-of-experts shapes (config.json of Qwen/Qwen3-30B-A3B and zai-org/GLM-4.5-Air, written from memory:
+    # see docs/design.md's MoE section for the fields not checked against the files). 30.5B / 106B parameters.
+    'qwen3-30b-a3b': dict(vocab_size=151936, embed_dim=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+                          mlp_dim=6144, rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=False, qk_norm=True,
+                          num_experts=128, num_experts_per_tok=8, moe_mlp_dim=768, router_scoring='softmax',
+                          norm_topk_prob=True, bos_id=151643, eos_ids=(151645, 151643), pad_id=151643,
+                          max_position=40960),
+    'glm-4.5-air': dict(vocab_size=151552, embed_dim=4096, num_layers=46, num_heads=96, num_kv_heads=8, head_dim=128,
+                        mlp_dim=10944, rope_theta=1_000_000.0, norm_eps=1e-5, tie_embeddings=False, qkv_bias=True,
+                        qk_norm=False, partial_rotary_factor=0.5, num_experts=128, num_experts_per_tok=8,
+                        moe_mlp_dim=1408, router_scoring='sigmoid', router_bias=True, norm_topk_prob=True,
+                        moe_groups=1, moe_topk_groups=1, routed_scaling_factor=1.0, num_shared_experts=1,
+                        first_k_dense=1, bos_id=None, eos_ids=(151329, 151336, 151338), pad_id=151329,
+                        max_position=131072),
 }
 
 MODEL_NAMES = tuple(_NAMED)
@@ -575,7 +589,8 @@ MODEL_NAMES = tuple(_NAMED)
 
 def get_model_config(name: str, **overrides) -> ModelConfig:
   """Returns the named config ('tiny', 'demo', 'bench-25m', 'smollm2-135m', 'qwen2.5-0.5b', 'qwen3-0.6b',
-  'llama3.2-1b', 'qwen3-8b', 'qwen3-32b') with `overrides` applied (e.g. dtype='bfloat16', remat='full')."""
+  'llama3.2-1b', 'qwen3-8b', 'qwen3-32b', and the MoE 'qwen3-30b-a3b', 'glm-4.5-air') with `overrides` applied (e.g.
+  dtype='bfloat16', remat='full')."""
   if name not in _NAMED:
     raise ValueError(f'Unknown model config {name!r}; known: {", ".join(MODEL_NAMES)}.')
   kwargs = dict(_NAMED[name], name=name)

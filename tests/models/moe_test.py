@@ -11,6 +11,7 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 
 from sao_jax.models import moe
+from sao_jax.models import value
 from sao_jax.models.config import ModelConfig, get_model_config
 from sao_jax.models.llama import Decoder
 
@@ -199,6 +200,30 @@ class MoeDecoderTest(absltest.TestCase):
     self.assertGreater(float(jnp.abs(other - logits).max()), 1e-3)
 
 
+class MoeValueModelTest(absltest.TestCase):
+
+  def test_critic_of_an_moe_policy(self):
+    """The critic's backbone is the MoE policy's (dense and MoE stacks, router bias included, copied); frozen attention
+    covers both stacks' attention; the router and experts train, the correction bias is no Param (never trained)."""
+    cfg = get_model_config('tiny', num_layers=3, num_experts=8, num_experts_per_tok=2, moe_mlp_dim=32,
+                           first_k_dense=1, router_scoring='sigmoid', router_bias=True, tie_embeddings=False)
+    policy = Decoder(cfg, rngs=nnx.Rngs(0))
+    policy.moe_layers.moe.router_bias[...] = jnp.arange(16.0).reshape(2, 8) / 10
+    critic = value.ValueModel.from_policy(policy, rngs=nnx.Rngs(1))
+    tokens = jnp.asarray(np.random.RandomState(0).randint(3, 500, (2, 7)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(critic.backbone.moe_layers.moe.router_bias.get_value()),
+                                  np.asarray(policy.moe_layers.moe.router_bias.get_value()))
+    hidden = nnx.jit(lambda m, t: m.hidden(t))
+    np.testing.assert_allclose(np.asarray(hidden(critic.backbone, tokens)), np.asarray(hidden(policy, tokens)),
+                               atol=1e-6)
+    frozen = {p for p, _ in nnx.to_flat_state(nnx.state(critic, value.CRITIC_ATTENTION))}
+    trainable = {p for p, _ in nnx.to_flat_state(nnx.state(critic, value.CRITIC_TRAINABLE))}
+    self.assertEqual({p[:3] for p in frozen}, {('backbone', 'layers', 'attn'), ('backbone', 'moe_layers', 'attn')})
+    self.assertIn(('backbone', 'moe_layers', 'moe', 'router'), trainable)
+    self.assertIn(('backbone', 'moe_layers', 'moe', 'gate_proj'), trainable)
+    self.assertNotIn(('backbone', 'moe_layers', 'moe', 'router_bias'), trainable | frozen)
+
+
 class MoeConfigTest(parameterized.TestCase):
 
   @parameterized.parameters(
@@ -216,6 +241,15 @@ class MoeConfigTest(parameterized.TestCase):
   def test_bad_field_is_named(self, field, kw):
     with self.assertRaisesRegex(ValueError, f'ModelConfig.{field}='):
       _cfg(**kw)
+
+  @parameterized.parameters(('qwen3-30b-a3b', 30.5, 3.0), ('glm-4.5-air', 106.9, 12.8))
+  def test_named_shapes(self, name, total_b, active_b):
+    """The published sizes (Qwen3-30B-A3B 30.5B, 3.3B active with the embedding; GLM-4.5-Air 106B, 12B active) and a
+    config.json round trip. `active_b`: the weights one token's matmuls use (flops_per_token / 6 at T = 0)."""
+    cfg = get_model_config(name)
+    self.assertAlmostEqual(cfg.num_params() / 1e9, total_b, delta=0.05)
+    self.assertAlmostEqual(cfg.flops_per_token(0) / 6e9, active_b, delta=0.05)
+    self.assertEqual(ModelConfig.from_hf_config(cfg.to_hf_config(), name=name), cfg)
 
   def test_dense_config_unchanged(self):
     cfg = get_model_config('tiny')
