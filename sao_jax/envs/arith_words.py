@@ -1,8 +1,10 @@
-"""`arith_words`: 2-digit `+` / `-` and 1-2-digit `*`, asked in plain and word-problem forms, for chat models.
+"""`arith_words`: `+` / `-` of 1-2-digit numbers and small `*`, asked in plain and word-problem forms, for chat models.
 
-A problem is `a op b`: for `+` and `-` two operands in `[sum_min, sum_max]` (2-digit by default; `a >= b` for
+A problem is `a op b`: for `+` and `-` two operands in `[sum_min, sum_max]` (2 to 50 by default; `a >= b` for
 `-`, so no answer is negative), for `*` a factor in `[2, mul_max]` times one in `[2, mul_small_max]` (in either
-order). It is asked in one of many phrasings: plain ("What is 23 plus 58?", "Compute 71 + 19.") with
+order; 2-25 times 2-9 by default). The defaults are sized for SmolLM2-135M-Instruct, right on 19.1% of 512
+held-out problems greedy (`configs/smollm2_arith.py` has the measurement): enough reward for RL from the
+base model. It is asked in one of many phrasings: plain ("What is 23 plus 58?", "Compute 71 + 19.") with
 probability `1 - word_fraction`, else a word problem (people, objects, buying, taking away, boxes of items).
 The user message is `"<problem> <instruction>"` (default instruction "Answer with just the number."), with no
 system message of our own (`system_prompt=''`): the tokenizer's chat template adds its default one, if any.
@@ -142,9 +144,9 @@ def last_number(text: str) -> Fraction | None:
 class ArithWordsOptions:
   """`config.task.kwargs` of arith_words."""
   ops: str = '+-*'  # Operators, drawn uniformly: any of '+', '-', '*'.
-  sum_min: int = 10  # Smallest operand of + and -.
-  sum_max: int = 99  # Largest operand of + and -.
-  mul_max: int = 99  # Largest value of the first factor of * (the factors are drawn in [2, mul_max] and
+  sum_min: int = 2  # Smallest operand of + and -.
+  sum_max: int = 50  # Largest operand of + and -.
+  mul_max: int = 25  # Largest value of the first factor of * (the factors are drawn in [2, mul_max] and
   mul_small_max: int = 9  # [2, mul_small_max], then put in random order).
   word_fraction: float = 0.5  # Probability of a word-problem phrasing (else a plain one).
   instruction: str = DEFAULT_INSTRUCTION  # Appended to every problem (after a space).
