@@ -6,6 +6,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 from tests import multiprocess  # No jax: safe before XLA_FLAGS is set.
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
@@ -73,3 +75,17 @@ def pytest_collection_modifyitems(items):
   collection order."""
   rank = {path: i for i, path in enumerate(LONG_FIRST)}
   items.sort(key=lambda item: rank.get(item.nodeid.split('::')[0], len(rank)))  # Stable: the rest keep order.
+
+
+@pytest.fixture(autouse=True, scope='session')
+def _learner_update_compiles_fast():
+  """The learner's update compiles without XLA:CPU's fusion emitters in the suite's processes
+  (`learner.CPU_COMPILER_OPTIONS`; trainer children get them off through `tests.multiprocess.NO_FUSION_EMITTERS`):
+  the tiny models' updates are compile-bound (one tiny trainer run's update: 19 s of compile -> 7 s; learner_test's
+  sharded, compile-ahead and hyperparameter tests 75 s -> 55 s at load 5). Every learner test passes at its
+  tolerance so (its updates against the numpy references, one device, 2 processes, packed rows); not under
+  SAO_TEST_XLA_FAST=0."""
+  if multiprocess.fast_compile_flags():
+    from sao_jax.learner import learner as learner_lib  # pylint: disable=g-import-not-at-top  (after XLA_FLAGS)
+    learner_lib.CPU_COMPILER_OPTIONS['xla_cpu_use_fusion_emitters'] = False
+  yield

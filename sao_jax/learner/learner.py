@@ -37,6 +37,12 @@ from sao_jax.structs import BATCH_FIELDS, Batch
 
 ModelOrFn = nnx.Module | Callable[[], nnx.Module]
 
+# XLA compile options of the update's program when the learner's devices are CPUs (e.g.
+# {'xla_cpu_use_fusion_emitters': False}); none by default. The test suite sets them (tests/conftest.py): its tiny
+# models' updates are compile-bound, and no test compares an update's floats with a program compiled otherwise at
+# a tolerance the options' rounding exceeds.
+CPU_COMPILER_OPTIONS: dict[str, Any] = {}
+
 
 class NonFiniteUpdateError(RuntimeError):
   """Too many consecutive updates had a non-finite loss or gradient."""
@@ -239,8 +245,10 @@ class Learner:
     hparams_sh = jax.tree.map(lambda _: rep, hparams)
     self.hparams = (state_lib.abstract if abstract else state_lib.place)(hparams, hparams_sh)
     batch_sh = Batch.map_fields(lambda _: parallel.batch_sharding(self.mesh, 2))
+    on_cpu = self.mesh.devices.flat[0].platform == 'cpu'
     self._step_fn = jax.jit(fn, in_shardings=(self.state_shardings, batch_sh, ref_sh, hparams_sh, base_sh),
-                            out_shardings=(self.state_shardings, rep), donate_argnums=(0,))
+                            out_shardings=(self.state_shardings, rep), donate_argnums=(0,),
+                            compiler_options=dict(CPU_COMPILER_OPTIONS) if on_cpu and CPU_COMPILER_OPTIONS else None)
     self._batch_shardings = batch_sh
     self._compiled: dict[tuple[int, int, int], Any] = {}  # (rows, T, S) -> the update compiled ahead.
     self.max_consecutive_skips = o.max_consecutive_skips
