@@ -16,8 +16,10 @@ with rsf = routed_scaling_factor and the shared expert present when `num_shared_
 `experts` [M, k], the choice is skipped and the weights are w_j = s[e_j] of the given experts (same normalisation).
 
 Experts. 'dropless' (`experts_dropless`): the M k token-expert pairs are sorted by expert (stable: token order within
-an expert), the tokens gathered in that order and every expert's rows multiplied by its weights in one grouped matmul
-(`jax.lax.ragged_dot`, group sizes = tokens per expert), then unsorted and combined with w. 'capacity'
+an expert), the tokens gathered in that order and every expert's rows multiplied by its weights, then unsorted and
+combined with w. The grouped matmul (`cfg.moe_matmul`): `jax.lax.ragged_dot` (TPU / GPU), or on a CPU ('tiles', where
+XLA expands ragged_dot into E dense products) each expert's first floor(M k / E) pairs in dense batched matmuls and
+the rest (its overflow) by a loop over (expert, row tile) visits with its own backward (`grouped_matmul`). 'capacity'
 (`experts_capacity`): the same sort, but expert e keeps only its first C = min(ceil(capacity_factor M k / E), M)
 pairs in token order, in a dense [E, C, D] buffer (batched matmuls); a dropped pair contributes 0.
 
@@ -149,8 +151,8 @@ def _tile_visits(sizes: Array, rows: int, tile: int):
 
 def _gmm_tiles(lhs: Array, rhs: Array, sizes: Array, tile: int, transpose_rhs: bool = False) -> Array:
   """out[r] = lhs[r] @ rhs[g(r)] (`transpose_rhs`: @ rhs[g(r)]^T, rhs [E, N, K]) with g(r) the group of row r
-  (groups of `sizes` in order): a scan over the (group, tile) visits, one [tile, K] x [K, N] matmul each, written
-  into the group's rows of the tile (a visit that is padding writes nothing)."""
+  (groups of `sizes` in order): a loop over the (group, tile) visits, one [tile, K] x [K, N] matmul each, written
+  into the group's rows of the tile."""
   r, kdim = lhs.shape
   n = rhs.shape[1 if transpose_rhs else 2]
   eq = 'tk,nk->tn' if transpose_rhs else 'tk,kn->tn'
@@ -159,16 +161,15 @@ def _gmm_tiles(lhs: Array, rhs: Array, sizes: Array, tile: int, transpose_rhs: b
   group, tile_of, real, starts, ends = _tile_visits(sizes, r, tile)
   offsets = jnp.arange(tile)
 
-  def body(out, visit):
-    g, t, ok = visit
-
-    at = t * tile
+  def body(i, out):
+    g, at = group[i], tile_of[i] * tile
     y = jnp.einsum(eq, jax.lax.dynamic_slice_in_dim(lhs, at, tile), jax.lax.dynamic_index_in_dim(rhs, g, keepdims=False))
-    inside = ok & (at + offsets >= starts[g]) & (at + offsets < ends[g])
+    inside = (at + offsets >= starts[g]) & (at + offsets < ends[g])
     cur = jax.lax.dynamic_slice_in_dim(out, at, tile)
-    return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(inside[:, None], y.astype(out.dtype), cur), at, 0), None
+    return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(inside[:, None], y.astype(out.dtype), cur), at, 0)
 
-  out = jax.lax.scan(body, jnp.zeros((padded, n), lhs.dtype), (group, tile_of, real))[0]
+  # The real visits only (a while loop: their count is known at run time; `_gmm` has its own backward).
+  out = jax.lax.fori_loop(0, jnp.sum(real, dtype=jnp.int32), body, jnp.zeros((padded, n), lhs.dtype))
   return out[:r]
 
 
@@ -183,17 +184,15 @@ def _tgmm_tiles(lhs: Array, dout: Array, sizes: Array, tile: int) -> Array:
   group, tile_of, real, starts, ends = _tile_visits(sizes, r, tile)
   offsets = jnp.arange(tile)
 
-  def body(acc, visit):
-    g, t, ok = visit
-
-    at = t * tile
-    inside = ok & (at + offsets >= starts[g]) & (at + offsets < ends[g])
+  def body(i, acc):
+    g, at = group[i], tile_of[i] * tile
+    inside = (at + offsets >= starts[g]) & (at + offsets < ends[g])
     x = jnp.where(inside[:, None], jax.lax.dynamic_slice_in_dim(lhs, at, tile), 0)
     upd = jnp.einsum('tk,tn->kn', x, jax.lax.dynamic_slice_in_dim(dout, at, tile), preferred_element_type=jnp.float32)
     cur = jax.lax.dynamic_index_in_dim(acc, g, keepdims=True)
-    return jax.lax.dynamic_update_index_in_dim(acc, cur + upd[None], g, 0), None
+    return jax.lax.dynamic_update_index_in_dim(acc, cur + upd[None], g, 0)
 
-  return jax.lax.scan(body, jnp.zeros((e, kdim, n), jnp.float32), (group, tile_of, real))[0]
+  return jax.lax.fori_loop(0, jnp.sum(real, dtype=jnp.int32), body, jnp.zeros((e, kdim, n), jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -219,8 +218,8 @@ def grouped_matmul(lhs: Array, rhs: Array, sizes: Array, impl: str = 'auto') -> 
   """out[r] = lhs[r] @ rhs[g(r)]: lhs [R, K] sorted by group, rhs [E, K, N], sizes int32 [E] (sum = R) -> [R, N].
 
   impl: 'ragged_dot' (`jax.lax.ragged_dot`: a grouped matmul on TPU / GPU; XLA:CPU expands it into E masked dense
-  products, about E times the work), 'tiles' (a scan over the (group, row tile) intersections, one small matmul
-  each, with its own backward: the CPU form), or 'auto' (tiles on a CPU, ragged_dot elsewhere; decided when traced).
+  products, about E times the work), 'tiles' (a loop over the (group, row tile) intersections, one small matmul each,
+  with its own backward: the CPU form), or 'auto' (tiles on a CPU, ragged_dot elsewhere; decided when traced).
   """
   if impl == 'auto':
     impl = 'tiles' if jax.default_backend() == 'cpu' else 'ragged_dot'
@@ -233,15 +232,37 @@ def grouped_matmul(lhs: Array, rhs: Array, sizes: Array, impl: str = 'auto') -> 
 
 def experts_dropless(x: Array, routing: Routing, gate: Array, up: Array, down: Array, impl: str = 'auto') -> Array:
   """sum_j w_j SwiGLU_{e_j}(x) of every token, no pair dropped: x [M, D], gate/up [E, D, F], down [E, F, D]
-  -> [M, D]. Sorted by expert, one grouped matmul per projection (`grouped_matmul` with `impl`)."""
+  -> [M, D]. Sorted by expert, then with `impl` 'ragged_dot' one grouped matmul per projection; with 'tiles' each
+  expert's first S = floor(M k / E) pairs (the mean load: no padding when balanced) through dense [E, S, D] batched
+  matmuls and the pairs past S (each expert's overflow, packed in order) through `grouped_matmul`'s tiles."""
   m, d = x.shape
   e, _, f = gate.shape
   k = routing.experts.shape[1]
   chex.assert_shape([gate, up], (e, d, f))
   chex.assert_shape(down, (e, f, d))
-  order, _, sizes = _sort_pairs(routing.experts, e)
+  order, sorted_experts, sizes = _sort_pairs(routing.experts, e)
   xs = jnp.take(x, order // k, axis=0)  # [M k, D], grouped by expert.
   dt = x.dtype
+  if impl == 'auto':
+    impl = 'tiles' if jax.default_backend() == 'cpu' else 'ragged_dot'
+  if impl == 'tiles':
+    r, slots = m * k, (m * k) // e
+    rank = jnp.arange(r, dtype=jnp.int32) - jnp.take(jnp.cumsum(sizes) - sizes, sorted_experts)
+    over = rank >= slots
+    out = jnp.zeros((r, d), dt)
+    if slots:  # The dense part: as `experts_capacity` with C = S.
+      slot = jnp.where(over, e * slots, sorted_experts * slots + rank)
+      buf = jnp.zeros((e * slots, d), dt).at[slot].set(xs, mode='drop').reshape(e, slots, d)
+      h = swiglu(jnp.einsum('ecd,edf->ecf', buf, gate.astype(dt)), jnp.einsum('ecd,edf->ecf', buf, up.astype(dt)))
+      y = jnp.einsum('ecf,efd->ecd', h, down.astype(dt)).reshape(e * slots, d)
+      out = jnp.where(over[:, None], 0, jnp.take(y, jnp.minimum(slot, e * slots - 1), axis=0))
+    dest = jnp.where(over, jnp.cumsum(over) - 1, r)  # The overflow packed in order; r: not overflow.
+    packed = jnp.zeros_like(xs).at[dest].set(xs, mode='drop')
+    over_sizes, tile = jnp.maximum(sizes - slots, 0).astype(jnp.int32), min(gmm_tile(r, e), 16)
+    gmm = lambda a, w: _gmm(a, w, over_sizes, tile)  # noqa: E731
+    y = gmm(swiglu(gmm(packed, gate.astype(dt)), gmm(packed, up.astype(dt))), down.astype(dt))
+    out = out + jnp.where(over[:, None], jnp.take(y, jnp.minimum(dest, r - 1), axis=0), 0)
+    return _combine(out, order, routing.weights)
   gmm = functools.partial(grouped_matmul, sizes=sizes, impl=impl)
   h = swiglu(gmm(xs, gate.astype(dt)), gmm(xs, up.astype(dt)))
   return _combine(gmm(h, down.astype(dt)), order, routing.weights)
