@@ -13,7 +13,9 @@ norms and casting order; tests compare the two) in a graph shaped for decoding:
   batched matmuls). The chunk is written at one slot
   `index` for all rows (an in-place `dynamic_update_slice`), or, in a slot-major cache
   (`init_cache(..., per_row_index=True)`, `sao_jax.generate.slots`'), at one slot per row (`index [B]`);
-* `window`: a static bound on the slots attention reads (a long preallocated cache costs its filled part only).
+* `window`: a static bound on the slots attention reads (a long preallocated cache costs its filled part only);
+* an MoE layer (`LayerWeights.moe`) keeps its router and experts in model layout and runs `moe.moe_mlp` on the rows
+  `[M, D]` (the same function as the plain forward's); its attention and the KV cache are a dense layer's.
 
 Cache semantics. `valid[b, s]` marks slots that hold a real token of row b; left padding, padding inside a
 continuation chunk and the decode steps of rows that already finished are holes. Token t of a chunk written

@@ -30,6 +30,17 @@ Parameter tree (logical axis names in brackets, `L` = layers):
                                                         beside the weight it adapts, e.g. mlp/down_proj_lora)
 Every attention parameter lives under an `attn` path: `nnx.PathContains('attn')` selects them all.
 
+MoE models (`cfg.num_experts > 0`, `sao_jax.models.moe`): `layers` holds the first `cfg.first_k_dense` (dense) blocks
+only, absent if none, and `moe_layers` the other L_moe = L - first_k_dense blocks (`MoeBlock`: the MLP replaced by
+`moe`, its own scan), each with attn_norm, attn/*, mlp_norm as above and
+  moe_layers/moe/router          [L_moe, D, E]     ('layers', 'embed', None)
+  moe_layers/moe/router_bias     [L_moe, E]        (router_bias only; a `RouterBias` variable, not a Param)
+  moe_layers/moe/gate_proj, up_proj [L_moe, E, D, F_e]  ('layers', 'expert', 'embed', 'mlp')
+  moe_layers/moe/down_proj       [L_moe, E, F_e, D]  ('layers', 'expert', 'mlp', 'embed')
+  moe_layers/moe/shared_gate_proj, shared_up_proj [L_moe, D, F_s], shared_down_proj [L_moe, F_s, D]
+                                 (num_shared_experts only; F_s = num_shared_experts * F_e)
+`return_aux=True` adds the MoE layers' `moe.MoeAux` (stacked over them); `routing=` replays chosen experts.
+
 KV cache: `model(tokens, cache=cache)` runs the cached forward pass of `sao_jax.models.decode` (the one
 implementation, also run by the sampler) and returns the updated cache; one call signature serves prefill,
 single-token decode and continuation chunks (e.g. observation tokens appended in a multi-turn episode):
