@@ -2,6 +2,7 @@
 saved by transformers, loaded by our `hf_io.load_hf`: logits, 32 greedy tokens through our KV cache, export."""
 
 import tempfile
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,8 @@ import numpy as np
 from absl.testing import absltest, parameterized
 from flax import nnx
 
+from configs import base
+from sao_jax import parallel
 from sao_jax.models import hf_io
 
 torch = None
@@ -132,6 +135,30 @@ class MoeHFParityTest(parameterized.TestCase):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     self.assertEqual(type(reloaded).__name__, type(hf).__name__)
     np.testing.assert_allclose(_hf_logits(reloaded, tokens[:1]), ours[:1], atol=1e-4, rtol=0)
+
+  def test_sharded_load_reads_each_expert_once(self):
+    """Loaded onto an expert axis of 4 devices (rules ('expert', 'expert')), each device reads its own 2 of the 8
+    experts' tensors: every expert tensor is read once (plus one shape check per parameter), not once per device;
+    the values equal the single-device load."""
+    _, path = _hf_model('qwen3_moe')
+    rules = tuple(r for r in base.get_config().mesh.rules if r[0] != 'expert') + (('expert', 'expert'),)
+    mesh = jax.make_mesh((1, 1, 4, 1), parallel.MOE_MESH_AXES, devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    reads = []
+    get = hf_io.SafetensorsReader.get
+
+    def counting_get(reader, name):
+      reads.append(name)
+      return get(reader, name)
+
+    with mock.patch.object(hf_io.SafetensorsReader, 'get', counting_get):
+      sharded, cfg = hf_io.load_hf(path, mesh=mesh, rules=rules)
+    expert_reads = [n for n in reads if '.experts.' in n]
+    self.assertEqual(len(expert_reads), cfg.num_moe_layers * 8 * 3 + 3)  # + the shape check of each of the 3.
+    gate = sharded.moe_layers.moe.gate_proj.get_value()
+    self.assertEqual(gate.sharding.spec[1], 'expert')
+    single, _ = hf_io.load_hf(path)
+    np.testing.assert_array_equal(np.asarray(gate), np.asarray(single.moe_layers.moe.gate_proj.get_value()))
 
 
 if __name__ == '__main__':
