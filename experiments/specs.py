@@ -77,6 +77,14 @@ STABILITY_PANELS = ('learner/policy/entropy', 'learner/policy/clip_frac_low', 'l
                     'learner/policy/grad_norm', 'learner/critic/grad_norm', 'learner/critic/explained_variance',
                     'staleness/mean', 'reward_mean')
 
+# configs/smollm2_arith.py's settings of the 2026-12-02 run that have changed since (the task's ranges, 32 new
+# tokens, 30 steps, 3 critic warmup steps, 256 eval problems, unpacked rows).
+SMOLLM2_FIRST = {'task.kwargs.sum_min': 10, 'task.kwargs.sum_max': 99, 'task.kwargs.mul_max': 99,
+                 'task.eval_size': 256, 'sampler.max_new_tokens': 32, 'sampler.max_seq_len': 200,
+                 'algo.critic_warmup_steps': 3, 'trainer.num_steps': 30, 'trainer.max_train_minutes': 0.0,
+                 'trainer.pack': 'none', 'trainer.seq_buckets': (104, 200), 'trainer.eval_every': 15,
+                 'trainer.checkpoint_every': 5}
+
 EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     Experiment('algos_arith', 'SAO vs GRPO / DAPO / Dr.GRPO on arith (async, equal trajectories per step)',
                'configs/arith.py', _algos({})),
@@ -103,9 +111,20 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     Experiment('drift', 'Online learning under drift: SAO vs GRPO across rule shifts', 'configs/drift.py',
                (Arm('sao'), Arm('grpo', {'algo.name': 'grpo', 'algo.group_size': G})),
                panels=('drift/phase', 'reward_mean')),
+    # The first real-model run (2026-12-02): configs/smollm2_arith.py as it was then, pinned here.
     Experiment('smollm2', 'SmolLM2-135M-Instruct on arithmetic word problems: SAO vs GRPO (G=8)',
                'configs/smollm2_arith.py',
-               (Arm('sao'), Arm('grpo', {'algo.name': 'grpo', 'algo.group_size': G})), seeds=(0,)),
+               (Arm('sao'), Arm('grpo', {'algo.name': 'grpo', 'algo.group_size': G})), seeds=(0,),
+               overrides=SMOLLM2_FIRST),
+    # The recipe of configs/smollm2_arith.py (90 minutes of training a run): SAO from the base model against
+    # GRPO with groups of 4 (16 trajectories a step each), and SAO with LoRA adapters.
+    Experiment('smollm2_rl', 'SmolLM2-135M-Instruct, 90 minutes of RL: SAO vs GRPO (G=4) vs SAO with LoRA',
+               'configs/smollm2_arith.py',
+               (Arm('sao'), Arm('grpo', {'algo.name': 'grpo', 'algo.group_size': 4}),
+                Arm('sao_lora', {'model.lora.rank': 16, 'model.lora.alpha': 32.0, 'optim.actor_lr': 3e-4,
+                                 'optim.critic_lr': 6e-4})),  # (configs/smollm2_arith.py:lora's settings.)
+               seeds=(0, 1), panels=('reward_mean', 'learner/critic/explained_variance',
+                                     'learner/policy/clip_frac_low', 'learner/policy/clip_frac_high')),
 )}
 
 # --quick: a few steps of a tiny model, so the scripts run in the test suite and cannot rot (not results).
