@@ -322,7 +322,8 @@ class ModelConfig:
     return self.num_heads // self.num_kv_heads
 
   def num_params(self, *, include_embedding: bool = True) -> int:
-    """Number of parameters (the input embedding table counted once, also when tied)."""
+    """Number of parameters (the input embedding table counted once, also when tied; an MoE router's correction bias,
+    a `RouterBias` variable, not counted: what `llama.count_params` counts)."""
     d, h = self.embed_dim, self.head_dim
     attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
     if self.qkv_bias:
@@ -334,7 +335,7 @@ class ModelConfig:
     if self.is_moe:
       moe = attn + 2 * d + d * self.num_experts + 3 * d * self.moe_mlp_dim * (self.num_experts
                                                                              + self.num_shared_experts)
-      total += self.num_moe_layers * (moe + (self.num_experts if self.router_bias else 0))
+      total += self.num_moe_layers * moe  # The router's correction bias is state, not a parameter.
     if include_embedding:
       total += self.vocab_size * d
     if not self.tie_embeddings:
