@@ -1,7 +1,8 @@
-"""Llama-family decoder, value model, log-prob helpers and HF weight io (Flax NNX).
+"""Llama-family decoder (dense and mixture-of-experts), value model, log-prob helpers and HF weight io (Flax NNX).
 
 - `config`: `ModelConfig`, `get_model_config(name, **overrides)` (tiny, bench-25m, smollm2-135m, qwen2.5-0.5b,
-  qwen3-0.6b, llama3.2-1b), HF config.json conversion.
+  qwen3-0.6b, llama3.2-1b, ..., the MoE qwen3-30b-a3b and glm-4.5-air), HF config.json conversion.
+- `moe`: the mixture-of-experts MLP as pure functions (router, dropless / capacity experts, `MoeAux` statistics).
 - `llama`: `Decoder(cfg, rngs=...)` -> logits / hidden states; with a cache, prefill, decode and continuation.
 - `decode`: the cached forward pass (`DecodeCache`, `decode_weights`, `forward`), run by the Decoder and the sampler.
 - `logprobs`: `token_logprobs(model, tokens, ...)` (DESIGN alignment, chunked over positions).
