@@ -369,6 +369,11 @@ def _check_model(config: ml_collections.ConfigDict) -> model_config_lib.ModelCon
                                                     attention_impl=m.attention_impl)
   except ValueError as e:  # The only override a named config can refuse is the dtype (FIELDS checked the others).
     raise ConfigError(f'config.model.dtype={m.dtype!r} (config.model.name={m.name!r}): {e}') from e
+  if model_cfg.is_moe:  # The models load, decode and export; the run's other parts do not take them yet.
+    field = 'hf_dir' if m.name == HF_MODEL else 'name'
+    raise ConfigError(f'config.model.{field}={getattr(m, field)!r} is a mixture-of-experts model: runs on MoE models '
+                      "are not wired yet (the publisher's decode layout, the samplers, the learner's balance loss; "
+                      'sao_jax.models runs, loads and exports them).')
   if m.tokenizer == 'char':
     vocab = CharTokenizer().vocab_size
     if vocab > model_cfg.vocab_size:

@@ -10,6 +10,9 @@ import numpy as np
 from absl.testing import absltest, parameterized
 from flax import nnx
 
+from configs import base
+from sao_jax import config_lib
+from sao_jax.errors import ConfigError
 from sao_jax.models import moe
 from sao_jax.models import value
 from sao_jax.models.config import ModelConfig, get_model_config
@@ -250,6 +253,12 @@ class MoeConfigTest(parameterized.TestCase):
     self.assertAlmostEqual(cfg.num_params() / 1e9, total_b, delta=0.05)
     self.assertAlmostEqual(cfg.flops_per_token(0) / 6e9, active_b, delta=0.05)
     self.assertEqual(ModelConfig.from_hf_config(cfg.to_hf_config(), name=name), cfg)
+
+  def test_a_run_on_an_moe_model_is_refused_at_start(self):
+    config = base.get_config()
+    config.model.name = 'qwen3-30b-a3b'
+    with self.assertRaisesRegex(ConfigError, "config.model.name='qwen3-30b-a3b' is a mixture-of-experts"):
+      config_lib.validate(config, log=False)
 
   def test_dense_config_unchanged(self):
     cfg = get_model_config('tiny')
