@@ -37,6 +37,22 @@ def tiny_config(workdir, **overrides):
   return c
 
 
+_FINISHED: list[str] = []  # The one run `finished_run` copies (made by the first test that needs it).
+
+
+def finished_run() -> str:
+  """A fresh copy of one finished `tiny_config` run (4 steps, checkpoints 2 and 4), made once per test process:
+  the tests that damage, resume or reconfigure a finished run each take their own copy (a workdir may move:
+  `workdir` is a resumable change) instead of training the same run again."""
+  if not _FINISHED:
+    workdir = tempfile.mkdtemp()
+    trainer.run(tiny_config(workdir))
+    _FINISHED.append(workdir)
+  copy = os.path.join(tempfile.mkdtemp(), 'run')
+  shutil.copytree(_FINISHED[0], copy)
+  return copy
+
+
 def steps_of(workdir):
   return [r['step'] for r in metrics.read_metrics(workdir)]
 
@@ -55,8 +71,7 @@ def _signal_self_at(n):
 class DamagedCheckpointTest(absltest.TestCase):
 
   def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_same_command_recovers(self):
-    workdir = tempfile.mkdtemp()
-    trainer.run(tiny_config(workdir))
+    workdir = finished_run()
     want = trainer_helpers.checkpoint_fingerprints(workdir, 4)
     ckpts = os.path.join(workdir, 'checkpoints')
     shutil.rmtree(os.path.join(ckpts, '4', 'policy'))  # Damaged: an item is missing.
@@ -77,12 +92,13 @@ class DamagedCheckpointTest(absltest.TestCase):
     self.assertEqual(steps_of(workdir), [1, 2, 3, 4])
 
   def test_no_intact_checkpoint_is_one_error_and_nothing_is_moved(self):
-    workdir = tempfile.mkdtemp()
-    trainer.run(tiny_config(workdir, **{'trainer.num_steps': 2}))
-    shutil.rmtree(os.path.join(workdir, 'checkpoints', '2', 'policy'))
+    workdir = finished_run()
+    for step in ('2', '4'):
+      shutil.rmtree(os.path.join(workdir, 'checkpoints', step, 'policy'))
     with self.assertRaisesRegex(checkpoint_lib.CheckpointCorrupt, 'No intact checkpoint'):
-      trainer.run(tiny_config(workdir, **{'trainer.num_steps': 2}))
+      trainer.run(tiny_config(workdir))
     self.assertTrue(os.path.isdir(os.path.join(workdir, 'checkpoints', '2')))
+    self.assertTrue(os.path.isdir(os.path.join(workdir, 'checkpoints', '4')))
 
 
 class WorkdirLockTest(absltest.TestCase):
@@ -242,11 +258,10 @@ class SaveFailureTest(absltest.TestCase):
 class StartUpRefusalTest(absltest.TestCase):
 
   def test_a_changed_config_on_resume_is_refused_before_the_model_build(self):
-    workdir = tempfile.mkdtemp()
-    trainer.run(tiny_config(workdir, **{'trainer.num_steps': 2}))
-    changed = tiny_config(workdir, **{'trainer.num_steps': 2, 'trainer.batch_size': 16})
+    workdir = finished_run()
+    changed = tiny_config(workdir, **{'trainer.batch_size': 16})
     with mock.patch.object(models, 'build', side_effect=AssertionError('the model was built')):
-      with self.assertRaisesRegex(ConfigError, r'holds a checkpoint \(step 2\) .*trainer.batch_size: 8 -> 16'):
+      with self.assertRaisesRegex(ConfigError, r'holds a checkpoint \(step 4\) .*trainer.batch_size: 8 -> 16'):
         trainer.run(changed)
 
   def test_a_read_only_workdir_is_refused_in_one_line_before_the_model_build(self):
