@@ -1,6 +1,7 @@
 """sao_jax.models.moe against a float64 numpy loop per token written from the module docstring's formulas: the router
 (softmax / sigmoid with correction bias, groups, scaling), the dropless and the capacity experts, shared experts,
-the load and balance statistics, routing replay; and the config's checks."""
+the load and balance statistics, routing replay, the grouped matmul; and the config's checks (the Decoder with MoE
+layers: moe_decoder_test.py)."""
 
 import dataclasses
 
@@ -8,15 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
-from flax import nnx
 
 from configs import base
 from sao_jax import config_lib
 from sao_jax.errors import ConfigError
 from sao_jax.models import moe
-from sao_jax.models import value
 from sao_jax.models.config import ModelConfig, get_model_config
-from sao_jax.models.llama import Decoder
 
 _D, _E, _F, _M = 16, 8, 8, 24
 _ROUTERS = {
@@ -174,57 +172,6 @@ class GroupedMatmulTest(parameterized.TestCase):
     grads = jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(fn(a, b))), argnums=(0, 1)))(lhs, rhs)
     np.testing.assert_allclose(np.asarray(grads[0]), d_lhs, atol=1e-4)
     np.testing.assert_allclose(np.asarray(grads[1]), d_rhs, atol=1e-4)
-
-
-class MoeDecoderTest(absltest.TestCase):
-
-  def test_decoder_aux_and_replay(self):
-    """A Decoder with a dense leading layer and 2 MoE layers: aux stacked over MoE layers, padding outside the
-    load, replaying its own choices gives the same logits, replaying others changes them."""
-    cfg = get_model_config('tiny', num_layers=3, num_experts=8, num_experts_per_tok=2, moe_mlp_dim=32,
-                           first_k_dense=1, router_scoring='sigmoid', router_bias=True)
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-    self.assertEqual(model.layers.mlp.gate_proj.shape[0], 1)
-    self.assertEqual(model.moe_layers.moe.gate_proj.shape[:2], (2, 8))
-    tokens = jnp.asarray(np.random.RandomState(0).randint(3, 500, (2, 7)), jnp.int32)
-    mask = jnp.arange(7)[None] < jnp.array([[7], [4]])
-    run = nnx.jit(lambda m, routing: m(tokens, attention_mask=mask, return_aux=True, routing=routing))
-    logits, aux = run(model, None)
-    self.assertEqual(aux.experts.shape, (2, 2, 7, 2))
-    np.testing.assert_allclose(np.asarray(aux.load.sum(-1)), 1.0, rtol=1e-6)
-    counts = np.zeros((2, 8))
-    for layer in range(2):
-      for b, t in zip(*np.nonzero(np.asarray(mask))):
-        counts[layer, np.asarray(aux.experts[layer, b, t])] += 1
-    np.testing.assert_allclose(np.asarray(aux.load), counts / (11 * 2), rtol=1e-6)
-    same = run(model, aux.experts)[0]
-    np.testing.assert_allclose(np.asarray(same), np.asarray(logits), atol=1e-6)
-    other = run(model, (aux.experts + 1) % 8)[0]
-    self.assertGreater(float(jnp.abs(other - logits).max()), 1e-3)
-
-
-class MoeValueModelTest(absltest.TestCase):
-
-  def test_critic_of_an_moe_policy(self):
-    """The critic's backbone is the MoE policy's (dense and MoE stacks, router bias included, copied); frozen attention
-    covers both stacks' attention; the router and experts train, the correction bias is no Param (never trained)."""
-    cfg = get_model_config('tiny', num_layers=3, num_experts=8, num_experts_per_tok=2, moe_mlp_dim=32,
-                           first_k_dense=1, router_scoring='sigmoid', router_bias=True, tie_embeddings=False)
-    policy = Decoder(cfg, rngs=nnx.Rngs(0))
-    policy.moe_layers.moe.router_bias[...] = jnp.arange(16.0).reshape(2, 8) / 10
-    critic = value.ValueModel.from_policy(policy, rngs=nnx.Rngs(1))
-    tokens = jnp.asarray(np.random.RandomState(0).randint(3, 500, (2, 7)), jnp.int32)
-    np.testing.assert_array_equal(np.asarray(critic.backbone.moe_layers.moe.router_bias.get_value()),
-                                  np.asarray(policy.moe_layers.moe.router_bias.get_value()))
-    hidden = nnx.jit(lambda m, t: m.hidden(t))
-    np.testing.assert_allclose(np.asarray(hidden(critic.backbone, tokens)), np.asarray(hidden(policy, tokens)),
-                               atol=1e-6)
-    frozen = {p for p, _ in nnx.to_flat_state(nnx.state(critic, value.CRITIC_ATTENTION))}
-    trainable = {p for p, _ in nnx.to_flat_state(nnx.state(critic, value.CRITIC_TRAINABLE))}
-    self.assertEqual({p[:3] for p in frozen}, {('backbone', 'layers', 'attn'), ('backbone', 'moe_layers', 'attn')})
-    self.assertIn(('backbone', 'moe_layers', 'moe', 'router'), trainable)
-    self.assertIn(('backbone', 'moe_layers', 'moe', 'gate_proj'), trainable)
-    self.assertNotIn(('backbone', 'moe_layers', 'moe', 'router_bias'), trainable | frozen)
 
 
 class MoeConfigTest(parameterized.TestCase):
