@@ -28,7 +28,7 @@ FLAGS = {
     'sampler.max_new_tokens': 21,
     'trainer.mode': 'sync', 'trainer.num_steps': 8, 'trainer.checkpoint_every': 2, 'trainer.eval_every': 4,
     'task.eval_size': 16,  # Two batches of 8 episodes: an eval can be stopped between them.
-    'sft.steps': 30, 'sft.batch_size': 8, 'sft.checkpoint_every': 5, 'sft.log_every': 1,
+    'sft.steps': 20, 'sft.batch_size': 8, 'sft.checkpoint_every': 5, 'sft.log_every': 1,  # 4 warm-start saves.
 }
 STEPS = 8
 COMPARED = ('reward_mean', 'learner/policy/loss', 'learner/critic/loss', 'eval_accuracy', 'trajectories',
@@ -55,7 +55,7 @@ MOMENTS = (
     (lambda w, log: _log_has(log, 'sft step 3/'), 'in the warm start'),
     (lambda w, log: _saving(w), 'in a warm-start save'),
     (lambda w, log: _log_has(log, 'sft step 2'), 'in the warm start'),
-    (lambda w, log: _log_has(log, 'Warm start: 30 steps'), 'in the step-0 eval'),
+    (lambda w, log: _log_has(log, f"Warm start: {FLAGS['sft.steps']} steps"), 'in the step-0 eval'),
     (lambda w, log: _rows(w) >= 2, 'in an RL step'),
     (lambda w, log: _saving(w) and _rows(w) >= 2, 'in an RL save'),
     (lambda w, log: _rows(w) >= 4, 'in an RL step or the step-4 eval'),
