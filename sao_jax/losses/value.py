@@ -13,13 +13,16 @@ from sao_jax.losses import common
 def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array) -> jax.Array:
   """`1 - Var_m(R - V) / Var_m(R)` over the masked tokens (population variances), float32 scalar, no gradient.
 
-  1: the values explain the returns; 0: no better than a constant (also 0 when `Var_m(R) = 0`); < 0: worse.
+  1: the values explain the returns; 0: no better than a constant; < 0: worse. Undefined when the returns are
+  constant, then 0: when `Var_m(R) <= 1e-6 mean_m(R^2)` (float32 rounding of equal returns, e.g. a batch without a
+  reward, would otherwise divide by ~1e-16 and report -1e15).
   """
   v = lax.stop_gradient(jnp.asarray(values, jnp.float32))
   ret = lax.stop_gradient(jnp.asarray(returns, jnp.float32))
   var_ret = common.masked_var(ret, mask)
   var_res = common.masked_var(ret - v, mask)
-  return jnp.where(var_ret > 0, 1.0 - var_res / jnp.where(var_ret > 0, var_ret, 1.0), 0.0)
+  varies = var_ret > 1e-6 * common.masked_mean(jnp.square(ret), mask)
+  return jnp.where(varies, 1.0 - var_res / jnp.where(varies, var_ret, 1.0), 0.0)
 
 
 def value_loss(values: jax.Array, returns: jax.Array, mask: jax.Array, *, old_values: jax.Array | None = None,

@@ -90,6 +90,16 @@ class ExplainedVarianceTest(absltest.TestCase):
     np.testing.assert_allclose(value.explained_variance(ret + 3.0, ret, m), 1.0, rtol=1e-5)  # A constant offset.
     np.testing.assert_allclose(value.explained_variance(np.zeros_like(ret), ret, m), 0.0, atol=1e-6)
 
+  def test_constant_returns_up_to_rounding_give_zero(self):
+    # Equal returns but for float32 rounding (a batch without a reward): undefined, reported as 0, not ~-1e15.
+    v, _, _, m = _inputs(5)
+    ret = np.full(v.shape, 0.1, np.float32)
+    ret[np.nonzero(m)[0][0], np.nonzero(m)[1][0]] = np.nextafter(np.float32(0.1), np.float32(1.0))
+    self.assertEqual(float(value.explained_variance(v, ret, m)), 0.0)
+    ret[np.nonzero(m)[0][0], np.nonzero(m)[1][0]] = 1.1  # One real reward among them: defined again.
+    r, res = ret[m].astype(np.float64), (ret - v)[m].astype(np.float64)
+    np.testing.assert_allclose(value.explained_variance(v, ret, m), 1 - res.var() / r.var(), rtol=1e-5)
+
 
 if __name__ == '__main__':
   absltest.main()
