@@ -78,9 +78,10 @@ STABILITY_PANELS = ('learner/policy/entropy', 'learner/policy/clip_frac_low', 'l
                     'staleness/mean', 'reward_mean')
 
 # configs/smollm2_arith.py's settings of the 2026-12-02 run that have changed since (the task's ranges, 32 new
-# tokens, 30 steps, 3 critic warmup steps, 256 eval problems, unpacked rows).
+# tokens at temperature 1, 30 steps, 3 critic warmup steps, 256 eval problems, unpacked rows).
 SMOLLM2_FIRST = {'task.kwargs.sum_min': 10, 'task.kwargs.sum_max': 99, 'task.kwargs.mul_max': 99,
                  'task.eval_size': 256, 'sampler.max_new_tokens': 32, 'sampler.max_seq_len': 200,
+                 'sampler.temperature': 1.0,
                  'algo.critic_warmup_steps': 3, 'trainer.num_steps': 30, 'trainer.max_train_minutes': 0.0,
                  'trainer.pack': 'none', 'trainer.seq_buckets': (104, 200), 'trainer.eval_every': 15,
                  'trainer.checkpoint_every': 5}
