@@ -251,11 +251,7 @@ def experts_dropless(x: Array, routing: Routing, gate: Array, up: Array, down: A
     over = rank >= slots
     out = jnp.zeros((r, d), dt)
     if slots:  # The dense part: as `experts_capacity` with C = S.
-      slot = jnp.where(over, e * slots, sorted_experts * slots + rank)
-      buf = jnp.zeros((e * slots, d), dt).at[slot].set(xs, mode='drop').reshape(e, slots, d)
-      h = swiglu(jnp.einsum('ecd,edf->ecf', buf, gate.astype(dt)), jnp.einsum('ecd,edf->ecf', buf, up.astype(dt)))
-      y = jnp.einsum('ecf,efd->ecd', h, down.astype(dt)).reshape(e * slots, d)
-      out = jnp.where(over[:, None], 0, jnp.take(y, jnp.minimum(slot, e * slots - 1), axis=0))
+      out = _slotted(xs, sorted_experts, rank, ~over, slots, gate, up, down)
     dest = jnp.where(over, jnp.cumsum(over) - 1, r)  # The overflow packed in order; r: not overflow.
     packed = jnp.zeros_like(xs).at[dest].set(xs, mode='drop')
     over_sizes, tile = jnp.maximum(sizes - slots, 0).astype(jnp.int32), min(gmm_tile(r, e), 16)
@@ -266,6 +262,18 @@ def experts_dropless(x: Array, routing: Routing, gate: Array, up: Array, down: A
   gmm = functools.partial(grouped_matmul, sizes=sizes, impl=impl)
   h = swiglu(gmm(xs, gate.astype(dt)), gmm(xs, up.astype(dt)))
   return _combine(gmm(h, down.astype(dt)), order, routing.weights)
+
+
+def _slotted(xs: Array, sorted_experts: Array, rank: Array, keep: Array, slots: int, gate: Array, up: Array,
+             down: Array) -> Array:
+  """SwiGLU_e of the pairs xs [R, D] (sorted by expert; `rank` the place in its expert's queue) where `keep`,
+  through each expert's dense buffer of `slots` rows (batched matmuls); 0 for the other pairs. -> [R, D]."""
+  e, d, dt = gate.shape[0], xs.shape[1], xs.dtype
+  slot = jnp.where(keep, sorted_experts * slots + rank, e * slots)  # e * slots: not kept (out of bounds).
+  buf = jnp.zeros((e * slots, d), dt).at[slot].set(xs, mode='drop').reshape(e, slots, d)
+  h = swiglu(jnp.einsum('ecd,edf->ecf', buf, gate.astype(dt)), jnp.einsum('ecd,edf->ecf', buf, up.astype(dt)))
+  y = jnp.einsum('ecf,efd->ecd', h, down.astype(dt)).reshape(e * slots, d)
+  return jnp.where(keep[:, None], jnp.take(y, jnp.minimum(slot, e * slots - 1), axis=0), 0)
 
 
 def capacity(cfg: ModelConfig, num_tokens: int) -> int:
@@ -287,13 +295,7 @@ def experts_capacity(x: Array, routing: Routing, gate: Array, up: Array, down: A
   starts = jnp.cumsum(sizes) - sizes
   rank = jnp.arange(m * k, dtype=jnp.int32) - jnp.take(starts, sorted_experts)  # Place in its expert's queue.
   keep = rank < slots
-  slot = jnp.where(keep, sorted_experts * slots + rank, e * slots)  # e * slots: dropped (out of bounds).
-  xs = jnp.take(x, order // k, axis=0)
-  buf = jnp.zeros((e * slots, d), x.dtype).at[slot].set(xs, mode='drop').reshape(e, slots, d)
-  dt = x.dtype
-  h = swiglu(jnp.einsum('ecd,edf->ecf', buf, gate.astype(dt)), jnp.einsum('ecd,edf->ecf', buf, up.astype(dt)))
-  y = jnp.einsum('ecf,efd->ecd', h, down.astype(dt)).reshape(e * slots, d)
-  out = jnp.where(keep[:, None], jnp.take(y, jnp.minimum(slot, e * slots - 1), axis=0), 0)
+  out = _slotted(jnp.take(x, order // k, axis=0), sorted_experts, rank, keep, slots, gate, up, down)
   kept = jnp.zeros((m * k,), bool).at[order].set(keep).reshape(m, k)
   return _combine(out, order, routing.weights), kept
 

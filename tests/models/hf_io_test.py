@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from sao_jax.models import hf_io
 from sao_jax.models import lora
+from tests.models import hf_reference
 
 torch = None
 transformers = None
@@ -62,33 +63,6 @@ def _hf_model(kind: str):
   return model, out_dir
 
 
-def _hf_logits(model, tokens, mask=None):
-  with torch.no_grad():
-    kw = {} if mask is None else {'attention_mask': torch.tensor(np.asarray(mask, np.int64))}
-    return model(torch.tensor(np.asarray(tokens, np.int64)), **kw).logits.numpy()
-
-
-@nnx.jit
-def _forward(model, tokens, mask):
-  return model(tokens, attention_mask=mask)
-
-
-@nnx.jit
-def _step(model, tokens, cache):
-  logits, cache = model(tokens, cache=cache)
-  return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
-
-
-def _greedy(model, prompt, n):
-  cache = model.init_cache(prompt.shape[0], prompt.shape[1] + n)
-  tok, cache = _step(model, prompt, cache)
-  out = [tok]
-  for _ in range(n - 1):
-    tok, cache = _step(model, tok[:, None], cache)
-    out.append(tok)
-  return np.stack(out, axis=1)
-
-
 class HFReferenceTest(parameterized.TestCase):
 
   @parameterized.named_parameters((k, k) for k in _KINDS)
@@ -104,8 +78,8 @@ class HFReferenceTest(parameterized.TestCase):
     rng = np.random.RandomState(1)
     tokens = rng.randint(3, _VOCAB, (2, 20)).astype(np.int32)
     mask = np.arange(20)[None] < np.array([[20], [9]])
-    ref = _hf_logits(hf, tokens, mask)
-    ours = np.asarray(_forward(model, jnp.asarray(tokens), jnp.asarray(mask)))
+    ref = hf_reference.hf_logits(hf, tokens, mask)
+    ours = np.asarray(hf_reference.forward(model, jnp.asarray(tokens), jnp.asarray(mask)))
     np.testing.assert_allclose(ours[0], ref[0], atol=1e-4, rtol=0)
     np.testing.assert_allclose(ours[1, :9], ref[1, :9], atol=1e-4, rtol=0)
     self.assertGreater(np.abs(ref).max(), 1.0)  # Non-trivial logits.
@@ -115,14 +89,14 @@ class HFReferenceTest(parameterized.TestCase):
     with torch.no_grad():
       gen = hf.generate(torch.tensor(prompt, dtype=torch.int64), attention_mask=torch.ones(2, 6, dtype=torch.int64),
                         max_new_tokens=12, do_sample=False, pad_token_id=0).numpy()[:, 6:]
-    np.testing.assert_array_equal(_greedy(model, jnp.asarray(prompt), 12), gen)
+    np.testing.assert_array_equal(hf_reference.greedy(model, jnp.asarray(prompt), 12), gen)
 
     # Export, reload in transformers: same logits.
     out_dir = tempfile.mkdtemp(prefix=f'export_{kind}_')
     hf_io.save_hf(model, cfg, out_dir)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     self.assertEqual(type(reloaded).__name__, type(hf).__name__)
-    np.testing.assert_allclose(_hf_logits(reloaded, tokens[:1]), ours[:1], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(hf_reference.hf_logits(reloaded, tokens[:1]), ours[:1], atol=1e-4, rtol=0)
 
   def test_lora_adapters_in_peft_and_merged_exports(self):
     """A LoRA model (adapters on every projection, B drawn non-zero) written both ways: as a PEFT adapter directory
@@ -141,11 +115,11 @@ class HFReferenceTest(parameterized.TestCase):
     hf_io.save_peft_adapter(model, adapter_dir, base_model=path)
     base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with_adapter = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
-    np.testing.assert_allclose(_hf_logits(with_adapter, tokens), ours, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(hf_reference.hf_logits(with_adapter, tokens), ours, atol=1e-4, rtol=0)
     merged_dir = tempfile.mkdtemp(prefix='merged_')
     hf_io.save_hf(model, cfg, merged_dir)
     merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
-    np.testing.assert_allclose(_hf_logits(merged, tokens), ours, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(hf_reference.hf_logits(merged, tokens), ours, atol=1e-4, rtol=0)
 
   def test_sharded_load_places_each_param_by_rules(self):
     _, path = _hf_model('qwen3_qknorm_untied')

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
-from flax import nnx
 
 from configs import base
 from sao_jax import parallel
 from sao_jax.models import hf_io
+from tests.models import hf_reference
 
 torch = None
 transformers = None
@@ -68,33 +68,6 @@ def _hf_model(kind: str):
   return model, out_dir
 
 
-def _hf_logits(model, tokens, mask=None):
-  with torch.no_grad():
-    kw = {} if mask is None else {'attention_mask': torch.tensor(np.asarray(mask, np.int64))}
-    return model(torch.tensor(np.asarray(tokens, np.int64)), **kw).logits.numpy()
-
-
-@nnx.jit
-def _forward(model, tokens, mask):
-  return model(tokens, attention_mask=mask)
-
-
-@nnx.jit
-def _step(model, tokens, cache):
-  logits, cache = model(tokens, cache=cache)
-  return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
-
-
-def _greedy(model, prompt, n):
-  cache = model.init_cache(prompt.shape[0], prompt.shape[1] + n)
-  tok, cache = _step(model, prompt, cache)
-  out = [tok]
-  for _ in range(n - 1):
-    tok, cache = _step(model, tok[:, None], cache)
-    out.append(tok)
-  return np.stack(out, axis=1)
-
-
 class MoeHFParityTest(parameterized.TestCase):
 
   @parameterized.named_parameters((k, k) for k in _KINDS)
@@ -116,8 +89,8 @@ class MoeHFParityTest(parameterized.TestCase):
     rng = np.random.RandomState(1)
     tokens = rng.randint(3, _VOCAB, (2, 20)).astype(np.int32)
     mask = np.arange(20)[None] < np.array([[20], [9]])
-    ref = _hf_logits(hf, tokens, mask)
-    ours = np.asarray(_forward(model, jnp.asarray(tokens), jnp.asarray(mask)))
+    ref = hf_reference.hf_logits(hf, tokens, mask)
+    ours = np.asarray(hf_reference.forward(model, jnp.asarray(tokens), jnp.asarray(mask)))
     np.testing.assert_allclose(ours[0], ref[0], atol=1e-4, rtol=0)
     np.testing.assert_allclose(ours[1, :9], ref[1, :9], atol=1e-4, rtol=0)
     self.assertGreater(np.abs(ref).max(), 1.0)  # Non-trivial logits.
@@ -127,14 +100,14 @@ class MoeHFParityTest(parameterized.TestCase):
     with torch.no_grad():
       gen = hf.generate(torch.tensor(prompt, dtype=torch.int64), attention_mask=torch.ones(2, 6, dtype=torch.int64),
                         max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0).numpy()[:, 6:]
-    np.testing.assert_array_equal(_greedy(model, jnp.asarray(prompt), 32), gen)
+    np.testing.assert_array_equal(hf_reference.greedy(model, jnp.asarray(prompt), 32), gen)
 
     # Export, reload in transformers: same architecture, same logits.
     out_dir = tempfile.mkdtemp(prefix=f'export_{kind}_')
     hf_io.save_hf(model, cfg, out_dir)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     self.assertEqual(type(reloaded).__name__, type(hf).__name__)
-    np.testing.assert_allclose(_hf_logits(reloaded, tokens[:1]), ours[:1], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(hf_reference.hf_logits(reloaded, tokens[:1]), ours[:1], atol=1e-4, rtol=0)
 
   def test_sharded_load_reads_each_expert_once(self):
     """Loaded onto an expert axis of 4 devices (rules ('expert', 'expert')), each device reads its own 2 of the 8
