@@ -38,7 +38,8 @@ _FACTORS = flags.DEFINE_list('factors', ['1.25'], 'Capacity factors to time besi
 _MATMULS = flags.DEFINE_list('matmuls', ['auto'], "Dropless grouped matmuls to time ('auto', 'tiles', 'ragged_dot': "
                              'ragged_dot on a CPU is E dense products, minutes at the defaults).')
 _REPEATS = flags.DEFINE_integer('repeats', 10, 'Timed calls of each program (after one warm-up).')
-_DTYPE = flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'], 'Compute dtype of x and the weights.')
+# (Not --dtype: the suite imports train_step, which defines it, into the same process.)
+_DTYPE = flags.DEFINE_enum('compute_dtype', 'float32', ['float32', 'bfloat16'], 'Compute dtype of x and the weights.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the batch and weights.')
 
 
