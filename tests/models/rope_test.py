@@ -12,7 +12,8 @@ from flax import nnx
 from sao_jax.checkpoint import manager
 from sao_jax.models import hf_io, layers
 from sao_jax.models.config import ModelConfig
-from tests.models import hf_io_test  # Its cached greedy decode (`_greedy`).
+from tests.models import hf_io_test  # Its setUpModule: torch and transformers.
+from tests.models import hf_reference
 
 torch = None
 transformers = None
@@ -124,7 +125,7 @@ class RopeParityTest(parameterized.TestCase):
       with torch.no_grad():
         gen = hf.generate(torch.tensor(prompt, dtype=torch.int64), attention_mask=torch.ones(prompt.shape, dtype=int),
                           max_new_tokens=6, do_sample=False, pad_token_id=0).numpy()[:, 260:]
-      ours_greedy = hf_io_test._greedy(model, jnp.asarray(prompt), 6)  # pylint: disable=protected-access
+      ours_greedy = hf_reference.greedy(model, jnp.asarray(prompt), 6)
       np.testing.assert_array_equal(ours_greedy, gen)
     # The checkpoint's JSON round trip keeps the scaling.
     self.assertEqual(manager.model_config_from_json(manager.model_config_to_json(cfg)), cfg)
