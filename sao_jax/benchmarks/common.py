@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,3 +50,18 @@ def memory_bandwidth(mib: int = 64, reps: int = 5, clock=time.perf_counter) -> f
 # `memory_bandwidth`'s kernel, in place (no fresh pages to fault in); one program per array size for the process,
 # not one per call (the rollout benchmark probes before every run).
 _add_one = jax.jit(lambda a: a + 1, donate_argnums=0)
+
+
+def timings(fn: Callable[[], object], repeats: int) -> tuple[float, float, float]:
+  """(median wall, min wall, median process CPU) seconds of `repeats` calls of `fn` (each waited for).
+
+  On a shared machine the min wall time and the CPU time (all threads of this process) are the figures least
+  disturbed by other jobs.
+  """
+  wall, cpu = [], []
+  for _ in range(max(repeats, 1)):
+    start, start_cpu = time.perf_counter(), time.process_time()
+    jax.block_until_ready(fn())
+    wall.append(time.perf_counter() - start)
+    cpu.append(time.process_time() - start_cpu)
+  return statistics.median(wall), min(wall), statistics.median(cpu)

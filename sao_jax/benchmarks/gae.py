@@ -13,9 +13,8 @@ and prints a table (median and min wall time, CPU time) with each one's ratio to
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from absl import app
 from absl import flags
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sao_jax.benchmarks import common
 from sao_jax.losses import advantages
 
 _BATCH = flags.DEFINE_integer('batch', 64, 'Rows B.')
@@ -63,21 +63,6 @@ def make_batch(batch: int, length: int, obs_fraction: float, turns: int, seed: i
   return rewards, values, mask
 
 
-def _timings(fn: Callable[[], object], repeats: int) -> tuple[float, float, float]:
-  """(median wall, min wall, median process CPU) seconds of `repeats` calls.
-
-  On a shared machine the min wall time and the CPU time (all threads of this process) are the figures least
-  disturbed by other jobs.
-  """
-  wall, cpu = [], []
-  for _ in range(max(repeats, 1)):
-    start, start_cpu = time.perf_counter(), time.process_time()
-    jax.block_until_ready(fn())
-    wall.append(time.perf_counter() - start)
-    cpu.append(time.process_time() - start_cpu)
-  return statistics.median(wall), min(wall), statistics.median(cpu)
-
-
 def main(argv: Sequence[str]) -> None:
   del argv
   b, t = _BATCH.value, _LENGTH.value
@@ -92,7 +77,7 @@ def main(argv: Sequence[str]) -> None:
   if _NUMPY_REPEATS.value > 0:
     numpy_fn = lambda: advantages.skip_observation_gae_numpy(r_np, v_np, m_np, gamma=gamma, lam=lam)
     ref_adv = numpy_fn()[0]
-    rows.append(('numpy loop (host)', _timings(numpy_fn, _NUMPY_REPEATS.value), 0.0, 0.0))
+    rows.append(('numpy loop (host)', common.timings(numpy_fn, _NUMPY_REPEATS.value), 0.0, 0.0))
 
   @jax.jit
   def floor(r, v, m):
@@ -111,9 +96,9 @@ def main(argv: Sequence[str]) -> None:
     adv, _ = jax.block_until_ready(fn(r, v, m))
     compile_s = time.perf_counter() - start
     err = float(np.max(np.abs(np.asarray(adv) - ref_adv))) if ref_adv is not None else float('nan')
-    rows.append((name, _timings(lambda: fn(r, v, m), _REPEATS.value), compile_s, err))
+    rows.append((name, common.timings(lambda: fn(r, v, m), _REPEATS.value), compile_s, err))
   jax.block_until_ready(floor(r, v, m))
-  floor_s = _timings(lambda: floor(r, v, m), _REPEATS.value)
+  floor_s = common.timings(lambda: floor(r, v, m), _REPEATS.value)
   rows.append(('memory floor (3 reads, 2 writes)', floor_s, 0.0, float('nan')))
 
   default = advantages.default_gae_impl()

@@ -15,7 +15,6 @@ k=8, F/D = 0.375): D=512, F=192.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 
 from absl import app
@@ -24,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sao_jax.benchmarks import common
 from sao_jax.models import moe
 from sao_jax.models.config import ModelConfig
 
@@ -41,17 +41,6 @@ _REPEATS = flags.DEFINE_integer('repeats', 10, 'Timed calls of each program (aft
 # (Not --dtype: the suite imports train_step, which defines it, into the same process.)
 _DTYPE = flags.DEFINE_enum('compute_dtype', 'float32', ['float32', 'bfloat16'], 'Compute dtype of x and the weights.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the batch and weights.')
-
-
-def _timings(fn, repeats: int) -> tuple[float, float, float]:
-  """(median wall, min wall, median process CPU) seconds of `repeats` calls."""
-  wall, cpu = [], []
-  for _ in range(max(repeats, 1)):
-    start, start_cpu = time.perf_counter(), time.process_time()
-    jax.block_until_ready(fn())
-    wall.append(time.perf_counter() - start)
-    cpu.append(time.process_time() - start_cpu)
-  return statistics.median(wall), min(wall), statistics.median(cpu)
 
 
 def make_layer(cfg: ModelConfig, tokens: int, dtype, seed: int = 0):
@@ -107,8 +96,8 @@ def main(argv):
     jax.block_until_ready(grad(x, p))
     compile_s = time.perf_counter() - t0
     outputs[name] = y
-    f_med, f_min, f_cpu = _timings(lambda: fwd(x, p), _REPEATS.value)
-    g_med, g_min, g_cpu = _timings(lambda: grad(x, p), _REPEATS.value)
+    f_med, f_min, f_cpu = common.timings(lambda: fwd(x, p), _REPEATS.value)
+    g_med, g_min, g_cpu = common.timings(lambda: grad(x, p), _REPEATS.value)
     slots = moe.capacity(cfg, m) if cfg.moe_impl == 'capacity' else None
     rows.append((name, slots, float(aux.dropped), compile_s, f_med, f_min, f_cpu, g_med, g_min, g_cpu))
   full = base.replace(moe_impl='capacity', capacity_factor=float(base.num_experts))  # Drops nothing.
