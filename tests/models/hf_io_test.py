@@ -21,10 +21,7 @@ transformers = None
 
 def setUpModule():
   global torch, transformers
-  import torch as _torch  # Heavy imports: only when this module's tests run.
-  import transformers as _transformers
-  torch, transformers = _torch, _transformers
-  torch.set_num_threads(1)
+  torch, transformers = hf_reference.import_hf()
 
 
 _VOCAB = 96

@@ -5,6 +5,14 @@ import numpy as np
 from flax import nnx
 
 
+def import_hf():
+  """(torch, transformers), imported when a test module's tests run (heavy imports), torch on one thread."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  torch.set_num_threads(1)
+  return torch, transformers
+
+
 def hf_logits(model, tokens, mask=None):
   """A transformers model's logits (float32 numpy) on `tokens` [B, T] (with its attention `mask`, if given)."""
   import torch  # pylint: disable=g-import-not-at-top  (the tests that call this have it)
