@@ -111,7 +111,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # ---- Sampler (actor side generation).
   c.sampler = s = ml_collections.ConfigDict()
-  s.temperature = 1.0  # Sampling temperature (SAO's ratio needs 1.0 unless sampling log-probs are recorded).
+  s.temperature = 1.0  # Sampling temperature; the learner's policy is the same tempered one (logits / T).
   s.top_p = 1.0  # Nucleus sampling threshold (1.0 = off).
   s.top_k = 0  # Top-k cut (0 = off).
   s.max_new_tokens = 64  # Budget of generated tokens per turn.

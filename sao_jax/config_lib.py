@@ -442,8 +442,9 @@ def validate(config: ml_collections.ConfigDict, *, for_run: bool = False,
     s = resolved.sampler
     if resolved.algo.clip_mode == 'double_side' and (s.temperature, s.top_p, s.top_k) != (1.0, 1.0, 0):
       logging.info('clip_mode=double_side with sampler temperature=%s top_p=%s top_k=%s: the ratio is taken to '
-                   'the log-probs of the distribution actually sampled from (recorded by the sampler).',
-                   s.temperature, s.top_p, s.top_k)
+                   'the log-probs of the distribution actually sampled from (recorded by the sampler); the learner '
+                   'trains the policy at that temperature (logits / %s), top-p/top-k not applied.',
+                   s.temperature, s.top_p, s.top_k, s.temperature)
     o = resolved.optim
     if resolved.model.param_dtype == 'bfloat16':
       logging.warning('config.model.param_dtype=bfloat16: an update smaller than ~2^-8 of a weight rounds away (no '

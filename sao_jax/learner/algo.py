@@ -245,6 +245,9 @@ class StepConfig:
   microbatch_size: int
   policy_epochs: int
   batch_size: int = 0  # Trajectories per step (0: `minibatch_size`, `microbatch_size` are taken as counts of 1).
+  # The learner's policy is the one the sampler draws from: log-probs of logits / `temperature`
+  # (`config.sampler.temperature`), so a token's ratio to its behaviour log-prob is 1 on-policy at any temperature.
+  temperature: float = 1.0
 
   @property
   def minibatches(self) -> int:
@@ -285,5 +288,6 @@ class StepConfig:
         icepop_high=float(a.icepop_high), kl_coef=float(a.kl_coef), kl_estimator=a.kl_estimator,
         entropy_coef=float(a.entropy_coef), minibatch_size=int(tr.minibatch_size),
         microbatch_size=int(tr.get('microbatch_size', 0)),
-        policy_epochs=int(tr.policy_epochs), batch_size=int(tr.batch_size))
+        policy_epochs=int(tr.policy_epochs), batch_size=int(tr.batch_size),
+        temperature=float(config.sampler.temperature))
 

@@ -303,18 +303,20 @@ def policy_objective(cfg: algo_lib.StepConfig, ref_graphdef: Any = None, h: Hpar
                      num_segments: int = 1) -> Objective:
   """`losses.policy_loss` (aggregated with `cfg.agg`), minus `entropy_coef` times the token-mean entropy,
   plus `kl_coef` times the token-mean KL to the reference policy (`extra`: its full `nnx.State`); the values
-  of `h` (`cfg.hparams()` when None), the structure of `cfg`."""
+  of `h` (`cfg.hparams()` when None), the structure of `cfg`. Every log-prob and the entropy are the tempered
+  policy's, `log_softmax(logits / cfg.temperature)`: the distribution the sampler draws from."""
   h = cfg.hparams() if h is None else h
   use_ref = bool(cfg.kl_coef)
 
   def forward(model, rows, ref):
     seg = rows.get('segment_ids')
-    logp, ent = logprobs_lib.token_logprobs(model, rows['tokens'], segment_ids=seg, return_entropy=True)
+    logp, ent = logprobs_lib.token_logprobs(model, rows['tokens'], segment_ids=seg, temperature=cfg.temperature,
+                                            return_entropy=True)
     out = {'logprobs': logp, 'entropy': ent}
     if use_ref and ref is not None:
       ref_model = nnx.merge(ref_graphdef, ref)
       out['ref_logprobs'] = jax.lax.stop_gradient(
-          logprobs_lib.token_logprobs(ref_model, rows['tokens'], segment_ids=seg))
+          logprobs_lib.token_logprobs(ref_model, rows['tokens'], segment_ids=seg, temperature=cfg.temperature))
     return out
 
   def loss(out, rows, scale):
@@ -396,7 +398,8 @@ def _policy_phase(cfg, policy_spec, ref_graphdef, ts, data, ref_params, active, 
     if cfg.behavior_correction != 'none':
       # Decoupled PPO: the proximal policy is the policy at the start of this learner step.
       model = state_lib.merge(policy_spec, ts)
-      prox = map_rows(lambda x: logprobs_lib.token_logprobs(model, x[0], segment_ids=x[1]),
+      prox = map_rows(lambda x: logprobs_lib.token_logprobs(model, x[0], segment_ids=x[1],
+                                                            temperature=cfg.temperature),
                       (data['tokens'], data['segment_ids']),
                       num_microbatches(data['tokens'].shape[0], microbatch_size), mesh)
       mb_data = {**data, 'proximal_logprobs': jax.lax.stop_gradient(prox)}

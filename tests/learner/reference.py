@@ -16,7 +16,7 @@ SAO (DESIGN "The algorithm", "Order inside one SAO step", "Contracts"), with pla
   critic       K times: theta_c <- theta_c - lr_c grad mean_{action tokens} 0.5 (V - returns)^2
                (attention weights frozen: only the other parameters move)
   advantages   = GAE(lam_b = 1 - 1 / (alpha l_b)) with V from the UPDATED critic (l_b: action tokens of row b)
-  logp[b, t]   = log_softmax(logits[b, t - 1])[tokens[b, t]]
+  logp[b, t]   = log_softmax(logits[b, t - 1] / T)[tokens[b, t]]   (T: the sampler's temperature)
   r            = exp(logp - behaviour log-probs),   f(r) = r if 1 - eps_low < r < 1 + eps_high else 0
   policy       theta <- theta - lr grad [-(1/N) sum_{action tokens} sg(f(r)) A logp],  N = all action tokens
 
@@ -56,6 +56,7 @@ class Settings:
   critic_epochs: int = 2
   group_size: int = 4
   group_eps: float = 1e-6
+  temperature: float = 1.0  # The sampler's; the policy trained is softmax(logits / temperature).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,8 @@ class SaoVariant:
     chain: 'actions' (GAE's TD chain over the action tokens only, skipping observations: SAO) or 'span' (the
       chain runs through every token from a row's first action to its last: `algo.gae_over='span'`, the
       ablation; its critic also fits those tokens).
+    tempered: True (the policy's log-probs at the sampler's temperature) or False (at temperature 1 whatever
+      the sampler's: the ratio of the untempered policy to the tempered sampler).
   """
   advantages_from: str = 'updated_critic'
   lam_policy: float | None = None
@@ -83,6 +86,7 @@ class SaoVariant:
   denominator: str = 'all'
   value_shift: int = 1
   chain: str = 'actions'
+  tempered: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,10 +116,11 @@ def _split(model: nnx.Module, trained) -> tuple:
   return nnx.split(model, trained, ...)
 
 
-def _logprobs(graphdef, params, rest, tokens):
-  """logp[b, t] = log_softmax(logits[b, t - 1])[tokens[b, t]] for t >= 1, 0 at t = 0 (full logits)."""
+def _logprobs(graphdef, params, rest, tokens, temperature=1.0):
+  """logp[b, t] = log_softmax(logits[b, t - 1] / temperature)[tokens[b, t]] for t >= 1, 0 at t = 0 (full
+  logits)."""
   logits = nnx.merge(graphdef, params, rest)(tokens)
-  logsm = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+  logsm = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
   lp = jnp.take_along_axis(logsm, tokens[:, 1:, None], axis=-1)[..., 0]
   return jnp.pad(lp, ((0, 0), (1, 0)))
 
@@ -149,9 +154,9 @@ def _critic_grad(graphdef, params, rest, tokens, returns, mask, value_shift):
 
 
 @_jit
-def _policy_grad(graphdef, params, rest, tokens, coef):
+def _policy_grad(graphdef, params, rest, tokens, coef, temperature):
   """grad of `sum_{b,t} coef[b, t] logp[b, t]` (coef is a constant: the stop-gradient weights of the loss)."""
-  return jax.grad(lambda p: jnp.sum(coef * _logprobs(graphdef, p, rest, tokens)))(params)
+  return jax.grad(lambda p: jnp.sum(coef * _logprobs(graphdef, p, rest, tokens, temperature)))(params)
 
 
 def _sgd(params, grads, lr):
@@ -229,11 +234,12 @@ class StepResult:
 
 
 def _policy_update(policy: nnx.Module, tokens: np.ndarray, coef: np.ndarray, actor_lr: float,
-                   trained=nnx.Param) -> dict:
+                   trained=nnx.Param, temperature: float = 1.0) -> dict:
   """One SGD step on the surrogate `sum_{b,t} coef[b, t] logp[b, t]` (coef: the loss's constant weights) of the
   `trained` parameters."""
   graphdef, params, rest = _split(policy, trained)
-  grads = _policy_grad(graphdef, params, rest, jnp.asarray(tokens), jnp.asarray(coef, jnp.float32))
+  grads = _policy_grad(graphdef, params, rest, jnp.asarray(tokens), jnp.asarray(coef, jnp.float32),
+                       jnp.float32(temperature))
   return flat(_sgd(params, grads, actor_lr))
 
 
@@ -284,14 +290,16 @@ def sao_step(policy: nnx.Module, critic: nnx.Module, batch, s: Settings, variant
   advantages = advantages * mask  # The policy trains on its own tokens.
 
   # Ratio to the behaviour log-probs, strict band, one SGD step on the token mean.
+  temperature = s.temperature if v.tempered else 1.0
   pgraph, pparams, prest = _split(policy, policy_trained)
-  logp0 = np.asarray(token_logprobs(pgraph, pparams, prest, jnp.asarray(tokens)), np.float64)
+  logp0 = np.asarray(token_logprobs(pgraph, pparams, prest, jnp.asarray(tokens), jnp.float32(temperature)),
+                     np.float64)
   ratio = np.exp(logp0 - behavior) if v.ratio_to == 'behavior' else np.ones_like(logp0)
   lo, hi = 1.0 - s.eps_low, 1.0 + s.eps_high
   kept = (ratio > lo) & (ratio < hi) if v.band == 'open' else (ratio >= lo) & (ratio <= hi)
   n = mask.sum() if v.denominator == 'all' else (mask * kept).sum()
   coef = -np.where(kept, ratio, 0.0) * advantages * mask / n
-  policy_after = _policy_update(policy, tokens, coef, s.actor_lr, policy_trained)
+  policy_after = _policy_update(policy, tokens, coef, s.actor_lr, policy_trained, temperature)
   return StepResult(policy=policy_after, critic=critic_after, ratio=ratio, kept=kept, advantages=advantages,
                     mask=mask, extra={'returns': returns, 'values_old': values_old, 'values_new': values_new,
                                       'bootstrap_old': boot_old, 'bootstrap_new': boot_new, 'lam': lam,
@@ -324,7 +332,8 @@ def grpo_step(policy: nnx.Module, batch, s: Settings, variant: GrpoVariant = Grp
   advantages = adv_rows[:, None] * mask
 
   pgraph, pparams, prest = _split(policy, nnx.Param)
-  logp0 = np.asarray(token_logprobs(pgraph, pparams, prest, jnp.asarray(tokens)), np.float64)
+  logp0 = np.asarray(token_logprobs(pgraph, pparams, prest, jnp.asarray(tokens), jnp.float32(s.temperature)),
+                     np.float64)
   ratio = np.exp(logp0 - np.asarray(batch.behavior_logprobs, np.float64))
   lo, hi = 1.0 - s.eps_low, 1.0 + s.eps_high
   # d/dlogp of -min(r A, clip(r) A) is -r A unless the clipped branch is the smaller one (ratio out of the
@@ -336,5 +345,5 @@ def grpo_step(policy: nnx.Module, batch, s: Settings, variant: GrpoVariant = Grp
   else:
     n_b = mask.sum(axis=1, keepdims=True)
     coef = per_token / np.maximum(n_b, 1) / (n_b > 0).sum()
-  return StepResult(policy=_policy_update(policy, tokens, coef, s.actor_lr), critic=None, ratio=ratio, kept=kept,
+  return StepResult(policy=_policy_update(policy, tokens, coef, s.actor_lr, temperature=s.temperature), critic=None, ratio=ratio, kept=kept,
                     advantages=advantages, mask=mask, extra={'row_advantages': adv_rows, 'logp': logp0})

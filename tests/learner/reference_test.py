@@ -113,6 +113,7 @@ def _config(algo: str, s: ref.Settings, rows: int, gae_over: str = 'actions'):
   tr.microbatch_size = 0
   tr.policy_epochs = 1
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1
+  c.sampler.temperature = s.temperature
   return c
 
 
@@ -144,9 +145,9 @@ def _behavior(logp, action, seed):
   return ((logp - log_r) * action).astype(np.float32)
 
 
-def _initial_logprobs(policy, tokens):
+def _initial_logprobs(policy, tokens, temperature=1.0):
   graphdef, params, rest = nnx.split(policy, nnx.Param, ...)
-  return np.asarray(ref.token_logprobs(graphdef, params, rest, tokens), np.float64)
+  return np.asarray(ref.token_logprobs(graphdef, params, rest, tokens, np.float32(temperature)), np.float64)
 
 
 def _dist(a: dict, b: dict) -> float:
@@ -190,16 +191,16 @@ def _run_learner(algo, settings, policy, critic, batch, real, gae_over='actions'
 
 
 @functools.cache
-def _sao(gae_over: str = 'actions') -> Run:
+def _sao(gae_over: str = 'actions', settings: ref.Settings = SAO) -> Run:
   policy = Decoder(H.MODEL, rngs=nnx.Rngs(0))
   critic = value_lib.ValueModel(H.MODEL, rngs=nnx.Rngs(1))  # Its own backbone; a non-zero head.
   critic.head.kernel[...] = 0.1 * jax.random.normal(jax.random.key(2), critic.head.kernel.shape)
   critic.head.bias[...] = 0.2
-  batch, real = _sao_batch(policy)
-  return _run_learner('sao', SAO, policy, critic, batch, real, gae_over)
+  batch, real = _sao_batch(policy, settings.temperature)
+  return _run_learner('sao', settings, policy, critic, batch, real, gae_over)
 
 
-def _sao_batch(policy) -> tuple[Batch, np.ndarray]:
+def _sao_batch(policy, temperature: float = 1.0) -> tuple[Batch, np.ndarray]:
   tokens, action, real, rewards = _layout(SEGMENTS_SAO, SAO_REWARDS, seed=0)
   rows = len(tokens)
   truncated = np.zeros(rows, bool)
@@ -207,7 +208,7 @@ def _sao_batch(policy) -> tuple[Batch, np.ndarray]:
   row_mask = np.ones(rows, np.float32)
   row_mask[SAO_PADDING_ROW] = 0.0
   batch = Batch.from_rows(tokens=tokens, action_mask=action,
-                          behavior_logprobs=_behavior(_initial_logprobs(policy, tokens), action, seed=0),
+                          behavior_logprobs=_behavior(_initial_logprobs(policy, tokens, temperature), action, seed=0),
                           rewards=rewards, lengths=real.sum(axis=1), truncated=truncated, row_mask=row_mask)
   return batch, real
 
@@ -306,6 +307,19 @@ class SaoReferenceStepTest(absltest.TestCase):
     for name in ('policy', 'critic'):
       for k, got in run.after[name].items():
         np.testing.assert_allclose(got, getattr(want, name)[k], rtol=0, atol=ATOL, err_msg=f'{name} {k}')
+
+  def test_policy_is_the_samplers_tempered_one(self):
+    # Sampling at temperature 0.7 (behaviour log-probs at 0.7): the learner trains softmax(logits / 0.7), not
+    # the temperature-1 policy (whose ratio to the sampler is off by the temperature on every token).
+    settings = dataclasses.replace(SAO, temperature=0.7)
+    run = _sao(settings=settings)
+    want = ref.sao_step(run.policy, run.critic, run.batch, settings, real_tokens=run.real)
+    untempered = ref.sao_step(run.policy, run.critic, run.batch, settings, ref.SaoVariant(tempered=False),
+                              real_tokens=run.real)
+    for name in ('policy', 'critic'):
+      for k, got in run.after[name].items():
+        np.testing.assert_allclose(got, getattr(want, name)[k], rtol=0, atol=ATOL, err_msg=f'{name} {k}')
+    self.assertGreater(_dist(untempered.policy, run.after['policy']), MARGIN * ATOL)
 
   def test_frozen_critic_attention_did_not_move(self):
     run = _sao()
