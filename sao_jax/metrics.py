@@ -313,7 +313,8 @@ class Progress:
   """The console progress line: step, reward, accuracy, tokens/s and the ETA from recent step times.
 
   The ETA is (steps left) x (mean wall time of the last `window` steps), so a slow start (compiles) does not
-  inflate it for the rest of the run.
+  inflate it for the rest of the run; a run under a time budget (`trainer.max_train_minutes`) passes the training
+  time it has left, and the ETA is the sooner of the two.
   """
 
   def __init__(self, total_steps: int, *, start_step: int = 0, window: int = 20, clock=time.monotonic):
@@ -328,10 +329,12 @@ class Progress:
     (s0, t0), (s1, t1) = self._times[0], self._times[-1]
     return (t1 - t0) / (s1 - s0) if s1 > s0 else math.nan
 
-  def line(self, step: int, metrics: Mapping[str, Any]) -> str:
-    """Records that `step` just finished and returns its line."""
+  def line(self, step: int, metrics: Mapping[str, Any], time_left_s: float | None = None) -> str:
+    """Records that `step` just finished and returns its line (`time_left_s`: of the run's time budget)."""
     self._times.append((int(step), self._clock()))
     eta = self.seconds_per_step() * (self.total_steps - step)
+    if time_left_s is not None:
+      eta = min(eta, max(0.0, float(time_left_s))) if math.isfinite(eta) else max(0.0, float(time_left_s))
     parts = [f'step {step}/{self.total_steps}']
     for key, label, fmt in (('reward_mean', 'reward', '.3f'), ('eval_accuracy', 'acc', '.3f'),
                             ('actor/tokens_per_s', 'actor tok/s', '.0f'),

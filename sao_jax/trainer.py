@@ -600,10 +600,11 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
       row['time/wall_s'] = wall_s()
       row['time/eval_s'] = eval_seconds[0]
       writer.write(step, row)
+      time_left = max_train_s - (wall_s() - eval_seconds[0]) if max_train_s else None
       if step % int(tr.log_every) == 0 or step == int(tr.num_steps):
-        logging.info(progress.line(step, row))
+        logging.info(progress.line(step, row, time_left))
       else:
-        progress.line(step, row)
+        progress.line(step, row, time_left)
       if tr.checkpoint_every and step % int(tr.checkpoint_every) == 0:
         save()
       elif tr.checkpoint_every:

@@ -189,6 +189,10 @@ class MetersTest(absltest.TestCase):
     self.assertIn('reward 0.500', line)
     self.assertNotIn('acc', line)
     self.assertIn('ETA 3m12s', line)  # 96 steps x 2 s.
+    clock.t += 2.0
+    self.assertIn('ETA 1m05s', p.line(5, {}, time_left_s=65.0))  # A time budget ends the run sooner.
+    clock.t += 2.0
+    self.assertIn('ETA 3m08s', p.line(6, {}, time_left_s=1e6))
 
   def test_format_duration(self):
     self.assertEqual(metrics.format_duration(42), '42s')
