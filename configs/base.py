@@ -203,6 +203,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   tr.pack_len = 0  # pack='fixed': the row length (0 = the largest of seq_buckets; >= sampler.max_seq_len).
   tr.log_every = 1  # Learner steps between metric logs.
   tr.eval_every = 0  # Learner steps between evals (0 = off).
+  tr.eval_batch_size = 0  # Eval episodes per sampler call (0 = sampler.batch_size); larger calls decode faster.
   tr.checkpoint_every = 50  # Learner steps between checkpoints (0 = off).
   tr.keep_checkpoints = 3  # Checkpoints kept on disk.
   tr.save_retries = 2  # A failed checkpoint save (a full disk, a store error) is tried again this many times, then

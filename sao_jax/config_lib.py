@@ -245,6 +245,7 @@ FIELDS: dict[str, Check] = {
     'trainer.pack_len': _bounds(ge=0, why='0 = the largest of config.trainer.seq_buckets.'),
     'trainer.log_every': _bounds(ge=1),
     'trainer.eval_every': _bounds(ge=0, why='0 = off.'),
+    'trainer.eval_batch_size': _bounds(ge=0, why='0 = sampler.batch_size.'),
     'trainer.max_train_minutes': _bounds(ge=0, why='0 = off.'),
     'trainer.checkpoint_every': _bounds(ge=0, why='0 = off.'),
     'trainer.save_retries': _bounds(ge=0, why='0 = a failed save stops the run at once.'),

@@ -376,6 +376,7 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
   # ---- Eval.
   eval_backend = None
   eval_config = eval_lib.EvalConfig.from_config(config)
+  eval_batch = int(tr.eval_batch_size) or None  # (None: the sampler's batch size.)
 
   def evaluate(step: int) -> dict[str, float] | None:
     """The eval row values at `step`; None when a signal stopped it (within one batch of episodes)."""
@@ -383,10 +384,10 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
     t_eval = time.perf_counter()
     model, _ = publisher.latest()  # On the actors' devices (this process's own, on several processes).
     if eval_backend is None:
-      eval_backend = rollout.make_backend(model, tokenizer, task, settings, version=step)
+      eval_backend = rollout.make_backend(model, tokenizer, task, settings, batch_size=eval_batch, version=step)
     try:
       summary = eval_lib.evaluate(model, tokenizer, task, eval_config, backend=eval_backend, progress=False,
-                                  version=step, should_stop=stop.any_process)
+                                  version=step, batch_size=eval_batch, should_stop=stop.any_process)
     except eval_lib.Interrupted as e:
       logging.warning('Eval at step %d stopped by a signal (%s).', step, e)
       return None

@@ -184,17 +184,20 @@ class SignalTest(absltest.TestCase):
   def test_a_signal_in_an_eval_stops_it_and_the_resumed_run_fills_in_its_row(self):
     workdir = tempfile.mkdtemp()
     config = tiny_config(workdir, **{'trainer.eval_every': 2, 'trainer.num_steps': 4})
-    config.task.eval_size = 24  # Three batches of 8 episodes: stopped after the first.
+    config.task.eval_size = 24  # Two calls of 12 episodes (the actors' hold 8): stopped after the first.
+    config.trainer.eval_batch_size = 12
     evaluate = trainer.eval_lib.evaluate
-    calls = [0]
+    calls, batch_sizes = [0], []
 
     def eval_signalled_at_step_2(*args, should_stop, **kwargs):
       calls[0] += 1
+      batch_sizes.append((kwargs['batch_size'], kwargs['backend'].min_rows))
       hook = _signal_self_at(2) if calls[0] == 2 else (lambda: None)  # The second eval (step 2), second batch.
       return evaluate(*args, should_stop=lambda: (hook(), should_stop())[1], **kwargs)
     with mock.patch.object(trainer.eval_lib, 'evaluate', eval_signalled_at_step_2):
       summary = trainer.run(config)
     self.assertTrue(summary['stopped_by_signal'])
+    self.assertEqual(batch_sizes, [(12, 12), (12, 12)])
     rows = metrics.read_metrics(workdir)
     self.assertEqual([r['step'] for r in rows], [0, 1, 2])
     self.assertNotIn('eval_accuracy', rows[2])

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 # and an old checkpoint holds `model.remat` as a bool; the attention implementations compute the same values, and
 # packing lays the same trajectories out in other rows for the same update (tests/learner/packing_test.py).
 RESUMABLE_CHANGES = ('workdir', 'trainer.num_steps', 'trainer.max_train_minutes', 'trainer.allow_config_change',
-                     'trainer.log_every', 'trainer.eval_every', 'trainer.checkpoint_every', 'trainer.export_hf',
+                     'trainer.log_every', 'trainer.eval_every', 'trainer.eval_batch_size', 'trainer.checkpoint_every',
+                     'trainer.export_hf',
                      'distributed.coordinator_address', 'distributed.process_id',  # Per process / per launch.
                      'model.remat', 'model.critic_remat', 'model.attention_impl',
                      'trainer.pack', 'trainer.pack_segments', 'trainer.pack_len',
