@@ -10,7 +10,8 @@ r"""Exports a policy as an HF directory and checks that transformers loads it an
 2. plays the first `--limit` problems of the task's eval set greedily on our KV-cache sampler (`sao_jax.eval`);
 3. loads `--out` with transformers (`AutoModelForCausalLM`, `AutoTokenizer`: its own chat template), generates
    greedily for the same chat prompts with the same budget, and scores each reply with the task's env;
-4. prints per problem both replies and rewards, and the counts of identical prompts, replies and rewards.
+4. prints both replies and rewards of the problems where they differ (of every problem with `--show_all`), the
+   counts of identical prompts, replies and rewards, and both greedy accuracies (the export must score as ours).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest
 _HF_MODEL = flags.DEFINE_string('hf_model', None, 'Or: an HF model directory.')
 _OUT = flags.DEFINE_string('out', None, 'Where the exported HF directory is written.')
 _LIMIT = flags.DEFINE_integer('limit', 8, 'Eval problems compared.')
+_SHOW_ALL = flags.DEFINE_bool('show_all', False, 'Print every problem\'s replies, not only those that differ.')
 flags.mark_flags_as_required(['config', 'out'])
 
 
@@ -59,6 +61,7 @@ def main(argv):
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
   stop_ids = list(tokenizer.stop_ids)
   same_prompt = same_reply = same_reward = 0
+  hf_correct = 0
   for ex, ours in zip(task.eval_set(), run.results):
     messages = task.make_env(ex).reset()
     ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -72,14 +75,18 @@ def main(argv):
     finished = bool(new) and new[-1] in stop_ids
     env = task.make_env(ex)
     env.reset()
-    reward = env.step(reply).reward if finished else 0.0  # A cut reply scores 0, as in our eval.
+    result = env.step(reply) if finished else None  # A cut reply scores 0 and is wrong, as in our eval.
+    reward = result.reward if result else 0.0
     same_reply += reply == ours.greedy_response
     same_reward += reward == ours.greedy_reward
-    print(f'    {ex.uid} answer {ex.answer}: ours {ours.greedy_reward:.0f} {ours.greedy_response!r}\n'
-          f'    {" " * len(ex.uid)}       transformers {reward:.0f} {reply!r}')
+    hf_correct += bool(result) and bool(result.info.get('correct', result.reward >= 1.0))  # `is_correct`'s rule.
+    if _SHOW_ALL.value or reply != ours.greedy_response:
+      print(f'    {ex.uid} answer {ex.answer}: ours {ours.greedy_reward:.0f} {ours.greedy_response!r}\n'
+            f'    {" " * len(ex.uid)}       transformers {reward:.0f} {reply!r}')
   n = len(run.results)
   print(f'[3] transformers on the export: identical chat prompts {same_prompt}/{n}, replies {same_reply}/{n}, '
-        f'rewards {same_reward}/{n}')
+        f'rewards {same_reward}/{n}; greedy accuracy {hf_correct / n:.3f} (ours '
+        f'{run.summary["greedy_accuracy"]:.3f})')
   task.close()
 
 
