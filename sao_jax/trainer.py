@@ -15,7 +15,8 @@ start -> actors -> loop -> final eval and save (docs/design.md, Data flow). Rule
   feeding `batch_size / P` rows of every global batch; a signal on any of them stops all at the same step;
 - checkpoints (every `trainer.checkpoint_every` steps and at the end) hold the learner state, each process's data
   position and the config; a workdir with one resumes from it (a changed config refused, naming the fields, unless
-  `trainer.allow_config_change`); `metrics.jsonl` has every step exactly once across resumes;
+  `trainer.allow_config_change`); `metrics.jsonl` has every step exactly once across resumes (and `eval/step<N>.jsonl`
+  each eval's replies);
 - SIGTERM / SIGINT finish the current step (an RL step, a warm-start step, a batch of eval episodes), save and
   return; one run per workdir (`workdir.WorkdirLock`); every start-up refusal comes before the model build; a
   checkpoint save that fails is retried, then stops the run (`RunError`) (docs/design.md, Faults).
@@ -58,6 +59,7 @@ from sao_jax.rollout import prompts as prompts_lib
 from sao_jax.rollout import trajectory_queue
 from sao_jax.tokenizers import get_tokenizer
 
+EVAL_DIR = 'eval'  # <workdir>/eval/step<N>.jsonl: each eval's problems, replies and rewards (`eval.write_outputs`).
 WARM_START_DIR = 'warm_start'  # <workdir>/warm_start: the warm start's own checkpoints and summary (sao_jax/sft.py).
 
 # Running totals of a run's metrics rows (row key -> counter): a resumed run carries them on from its last
@@ -387,7 +389,8 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
       eval_backend = rollout.make_backend(model, tokenizer, task, settings, batch_size=eval_batch, version=step)
     try:
       summary = eval_lib.evaluate(model, tokenizer, task, eval_config, backend=eval_backend, progress=False,
-                                  version=step, batch_size=eval_batch, should_stop=stop.any_process)
+                                  version=step, batch_size=eval_batch, should_stop=stop.any_process,
+                                  output=paths.join(config.workdir, EVAL_DIR, f'step{step}.jsonl'))
     except eval_lib.Interrupted as e:
       logging.warning('Eval at step %d stopped by a signal (%s).', step, e)
       return None

@@ -21,6 +21,7 @@ from sao_jax import models
 from sao_jax import sft
 from sao_jax import trainer
 from sao_jax import workdir as workdir_lib
+from sao_jax.envs import evaluation
 from sao_jax.errors import ConfigError
 from sao_jax.errors import RunError
 from tests import trainer_helpers
@@ -207,6 +208,13 @@ class SignalTest(absltest.TestCase):
     self.assertEqual([r['step'] for r in rows], [0, 1, 2, 3, 4])
     self.assertIn('eval_accuracy', rows[2])  # Evaluated by the resumed run, in its own row.
     self.assertIn('eval_accuracy', rows[4])
+    # Each eval's problems and replies, the interrupted one's written by the resumed run.
+    self.assertEqual(sorted(os.listdir(os.path.join(workdir, trainer.EVAL_DIR))),
+                     ['step0.jsonl', 'step0.jsonl.summary.json', 'step2.jsonl', 'step2.jsonl.summary.json',
+                      'step4.jsonl', 'step4.jsonl.summary.json'])
+    results = evaluation.read_jsonl(os.path.join(workdir, trainer.EVAL_DIR, 'step4.jsonl'))
+    self.assertLen(results, 24)
+    self.assertEqual(sum(bool(r.greedy_correct) for r in results) / 24, rows[4]['eval_accuracy'])
 
 
 class SaveFailureTest(absltest.TestCase):
