@@ -45,7 +45,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a.critic_epochs = placeholder(int)  # [preset] K: critic updates per policy update, on fixed returns.
   a.critic_warmup_steps = placeholder(int)  # [preset] Learner steps that train the critic only.
   a.value_clip_eps = 0.0  # > 0 enables PPO-style value clipping (a baseline option, not SAO).
-  a.truncation = 'bootstrap'  # Cut by a length/turn limit: 'bootstrap' from V(after the row's last token) or 'drop'.
+  a.truncation = 'bootstrap'  # Cut by a length/turn limit: 'bootstrap' from V(after the row's last token), 'drop',
+  # or 'terminal' (the cut ends the episode with the env's reward: tasks that score a cut reply as wrong).
   a.gae_over = placeholder(str)  # [preset] GAE's TD chain: 'actions' (SAO: skips observation tokens) or 'span'
   #                                (ablation: through the observation tokens between a row's first and last action).
   a.group_size = placeholder(int)  # [preset] Rollouts per prompt: 1 for SAO/PPO, G >= 2 for the group baselines.

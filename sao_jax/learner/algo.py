@@ -40,7 +40,7 @@ CRITIC_ALGOS = ('sao', 'ppo')
 GROUP_ALGOS = ('grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo')
 DOMAINS = ('math', 'agentic')
 ADVANTAGE_SOURCES = ('updated_critic', 'pre_update')  # Critic values the policy advantages come from.
-TRUNCATIONS = ('bootstrap', 'drop')  # A trajectory cut by a length / turn limit.
+TRUNCATIONS = ('bootstrap', 'drop', 'terminal')  # A trajectory cut by a length / turn limit.
 GAE_OVER = ('actions', 'span')  # GAE's TD chain: action tokens only (skip observations, SAO) or through them.
 GROUP_BASELINES = ('mean', 'leave_one_out')  # GRPO's group mean, RLOO's leave-one-out mean.
 

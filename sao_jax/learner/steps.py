@@ -25,6 +25,9 @@ Truncated rows (`batch.truncated`: cut by a turn, observation or token limit, so
     token are dropped there.
   - 'drop': the row's tokens leave the mask: no critic target, no policy gradient, no count in any
     denominator or metric.
+  - 'terminal': the cut ends the episode, with the reward the env gave (0 for a reply cut before its answer):
+    the chain ends in 0, as at a stop token. For tasks whose budget is part of the scoring (an eval counts a
+    cut reply as wrong), where bootstrapping would value a cut reply as if it could still finish.
 
 Packed rows (`trainer.pack`, `Batch.segment_ids`): every model call attends within a segment with positions
 restarting per segment; GAE, lambda, the bootstrap and the sequence statistics are per segment (trajectory);

@@ -18,8 +18,8 @@ compile).
 In every layout `rewards[b, t] = reward` exactly at a trajectory's last action token (0 elsewhere), and
 `truncated`, `group_ids`, `policy_version` (the oldest turn version) and `segment_mask` are per segment `[B, S]`.
 
-Dropped (counted in `dropped`, by reason): a truncated row that cannot be bootstrapped from a state the
-critic is trained on (`Trajectory.bootstrappable` False: 'not_bootstrappable'), every truncated row under
+Dropped (counted in `dropped`, by reason): under `truncation='bootstrap'` a truncated row that cannot be bootstrapped
+from a state the critic is trained on (`Trajectory.bootstrappable` False: 'not_bootstrappable'), every truncated row under
 `truncation='drop'` ('truncated'), rows whose env failed ('env_error'), and, with groups, every other row of
 a group that lost a row ('group_incomplete'): the group baselines need whole groups.
 """
@@ -57,7 +57,7 @@ def _drop_reason(traj: structs.Trajectory, truncation: str) -> str | None:
     return 'env_error'
   if traj.truncated and truncation == 'drop':
     return 'truncated'
-  if traj.truncated and not traj.bootstrappable:
+  if traj.truncated and not traj.bootstrappable and truncation == 'bootstrap':
     return 'not_bootstrappable'
   return None
 
@@ -84,14 +84,15 @@ def select(trajectories: Sequence[structs.Trajectory], *, group_size: int = 1,
   """Which trajectories a batch can take: `(kept indices, reason -> dropped count)`.
 
   A group (`group_size` consecutive trajectories) is kept whole or dropped whole: a member with an env error,
-  a truncation under `truncation='drop'`, or a truncation that cannot be bootstrapped drops its group (the
-  others count as 'group_incomplete').
+  a truncation under `truncation='drop'`, or (under 'bootstrap') a truncation that cannot be bootstrapped drops its
+  group (the others count as 'group_incomplete'). 'terminal' keeps every truncated trajectory.
 
   Raises:
     ValueError: a greedy (eval) trajectory, one without action tokens, or groups not contiguous / not whole.
   """
-  if truncation not in ('bootstrap', 'drop'):
-    raise ValueError(f"truncation={truncation!r}: expected 'bootstrap' or 'drop' (config.algo.truncation).")
+  if truncation not in ('bootstrap', 'drop', 'terminal'):
+    raise ValueError(f"truncation={truncation!r}: expected 'bootstrap', 'drop' or 'terminal' "
+                     '(config.algo.truncation).')
   if group_size < 1:
     raise ValueError(f'group_size={group_size} must be >= 1.')
   for i, t in enumerate(trajectories):
@@ -177,7 +178,8 @@ def pack(trajectories: Sequence[structs.Trajectory], *, seq_buckets: Sequence[in
     rows: number of rows of the batch (padding rows with `segment_mask=0` fill it); default: the kept
       trajectories ('none'), the plan's rows (packed; several processes agree on one count this way).
     group_size: rollouts per prompt (`config.algo.group_size`); 1 = no groups.
-    truncation: `config.algo.truncation`: 'bootstrap' keeps bootstrappable truncated rows, 'drop' drops all.
+    truncation: `config.algo.truncation`: 'bootstrap' keeps bootstrappable truncated rows, 'drop' drops all,
+      'terminal' keeps all.
     packing: 'none', 'ffd' or 'fixed' (`config.trainer.pack`).
     segments: packed: trajectories per row at most (S, `config.trainer.pack_segments`).
     row_multiple: packed: the row count is a multiple of this (`allowed_rows`; the data shards times the minibatches

@@ -66,8 +66,9 @@ class SaoVariant:
   Attributes:
     advantages_from: 'updated_critic' (SAO) or 'pre_update' (advantages from the critic before its K updates).
     lam_policy: None = the length-adaptive lambda_b; a number = that fixed lambda (e.g. 1.0).
-    bootstrap: 'after_last' (value of the state after the row's last token) or 'before_last' (the value of
-      the state in which the last token was generated).
+    bootstrap: 'after_last' (value of the state after the row's last token), 'before_last' (the value of
+      the state in which the last token was generated) or 'none' (a cut row ends the episode: 0, as
+      `algo.truncation='terminal'`).
     ratio_to: 'behavior' (the sampler's log-probs) or 'current' (the policy itself: r = 1, nothing masked).
     band: 'open' (strict `<`) or 'closed' (`<=`: edge tokens kept).
     denominator: 'all' (every action token) or 'kept' (only tokens inside the band).
@@ -263,7 +264,7 @@ def sao_step(policy: nnx.Module, critic: nnx.Module, batch, s: Settings, variant
     values[:, v.value_shift:] = out[:, :out.shape[1] - v.value_shift]
     boot = np.zeros(rows)
     for b in range(rows):
-      if truncated[b] and mask[b].any():
+      if truncated[b] and mask[b].any() and v.bootstrap != 'none':
         last = _last_real_token(real_tokens[b])
         boot[b] = out[b, last] if v.bootstrap == 'after_last' else values[b, last]
     return values, boot

@@ -71,7 +71,7 @@ GRPO_REWARDS = (1.0, 0.0, 0.5, 1.0, 0.0, 2.0, -1.0, 0.3)
 T = 24
 
 
-def _config(algo: str, s: ref.Settings, rows: int, gae_over: str = 'actions'):
+def _config(algo: str, s: ref.Settings, rows: int, gae_over: str = 'actions', truncation: str = 'bootstrap'):
   """The learner config with every field the step depends on set explicitly."""
   c = base.get_config()
   a, o, tr = c.algo, c.optim, c.trainer
@@ -92,7 +92,7 @@ def _config(algo: str, s: ref.Settings, rows: int, gae_over: str = 'actions'):
     a.critic_warmup_steps = 0
     a.advantages_from = 'updated_critic'
     a.value_clip_eps = 0.0
-    a.truncation = 'bootstrap'
+    a.truncation = truncation
     a.gae_over = gae_over
     a.group_size = 1
   else:
@@ -172,12 +172,12 @@ def _flat_model(model, trained):
 
 
 def _run_learner(algo, settings, policy, critic, batch, real, gae_over='actions', policy_trained=nnx.Param,
-                 critic_trained=ref.CRITIC_TRAINED) -> Run:
+                 critic_trained=ref.CRITIC_TRAINED, truncation='bootstrap') -> Run:
   before = {'policy': _flat_model(policy, policy_trained)[0]}
   if critic is not None:
     before['critic'], before['critic_rest'] = _flat_model(critic, critic_trained)
-  learner = Learner(LearnerConfig.from_config(_config(algo, settings, len(batch.tokens), gae_over)), policy=policy,
-                    critic=critic, mesh=H.mesh(1, 1), model_config=policy.cfg)
+  config = LearnerConfig.from_config(_config(algo, settings, len(batch.tokens), gae_over, truncation))
+  learner = Learner(config, policy=policy, critic=critic, mesh=H.mesh(1, 1), model_config=policy.cfg)
   if learner.base is not None:
     before['base'] = ref.flat(H.host(learner.base))
   learner.update(batch)
@@ -191,13 +191,13 @@ def _run_learner(algo, settings, policy, critic, batch, real, gae_over='actions'
 
 
 @functools.cache
-def _sao(gae_over: str = 'actions', settings: ref.Settings = SAO) -> Run:
+def _sao(gae_over: str = 'actions', settings: ref.Settings = SAO, truncation: str = 'bootstrap') -> Run:
   policy = Decoder(H.MODEL, rngs=nnx.Rngs(0))
   critic = value_lib.ValueModel(H.MODEL, rngs=nnx.Rngs(1))  # Its own backbone; a non-zero head.
   critic.head.kernel[...] = 0.1 * jax.random.normal(jax.random.key(2), critic.head.kernel.shape)
   critic.head.bias[...] = 0.2
   batch, real = _sao_batch(policy, settings.temperature)
-  return _run_learner('sao', settings, policy, critic, batch, real, gae_over)
+  return _run_learner('sao', settings, policy, critic, batch, real, gae_over, truncation=truncation)
 
 
 def _sao_batch(policy, temperature: float = 1.0) -> tuple[Batch, np.ndarray]:
@@ -266,6 +266,7 @@ SAO_WRONG = {
     'advantages from the pre-update critic': ref.SaoVariant(advantages_from='pre_update'),
     'lambda_policy = 1': ref.SaoVariant(lam_policy=1.0),
     'bootstrap from V before the last token': ref.SaoVariant(bootstrap='before_last'),
+    'no bootstrap (a cut row as terminal)': ref.SaoVariant(bootstrap='none'),
     'ratio to the current policy': ref.SaoVariant(ratio_to='current'),
     'token mean over kept tokens only': ref.SaoVariant(denominator='kept'),
     'values misaligned by one': ref.SaoVariant(value_shift=0),
@@ -320,6 +321,14 @@ class SaoReferenceStepTest(absltest.TestCase):
       for k, got in run.after[name].items():
         np.testing.assert_allclose(got, getattr(want, name)[k], rtol=0, atol=ATOL, err_msg=f'{name} {k}')
     self.assertGreater(_dist(untempered.policy, run.after['policy']), MARGIN * ATOL)
+
+  def test_terminal_truncation_matches_the_reference(self):
+    # `algo.truncation='terminal'`: a cut row's chain ends in 0 (its reward is the env's), as at a stop token;
+    # the SAO learner's distance to this reference is among the wrong variants below (a bootstrap of 0).
+    run, want = _sao(truncation='terminal'), _sao_reference(ref.SaoVariant(bootstrap='none'))
+    for name in ('policy', 'critic'):
+      for k, got in run.after[name].items():
+        np.testing.assert_allclose(got, getattr(want, name)[k], rtol=0, atol=ATOL, err_msg=f'{name} {k}')
 
   def test_frozen_critic_attention_did_not_move(self):
     run = _sao()

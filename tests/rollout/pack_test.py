@@ -52,7 +52,7 @@ class PackTest(parameterized.TestCase):
     # rows=None: exactly the kept rows.
     self.assertEqual(rollout.pack([a, b], seq_buckets=(16, 8), pad_id=0).batch.shape, (2, 8))
 
-  def test_truncated_rows_bootstrap_or_drop(self):
+  def test_truncated_rows_bootstrap_drop_or_end(self):
     ok = _traj(**_A)
     cut = _traj(**{**_B, 'reward': 0.0}, truncated=True)  # A bootstrappable cut (e.g. mid-turn).
     lost = _traj(**{**_B, 'reward': 0.0}, truncated=True, bootstrappable=False, info={'cut_by': 'max_seq_len'})
@@ -65,6 +65,9 @@ class PackTest(parameterized.TestCase):
     packed = rollout.pack([ok, cut, lost], seq_buckets=(8,), pad_id=0, truncation='drop')
     self.assertEqual(packed.kept, [0])
     self.assertEqual(packed.dropped, {'truncated': 2})
+    packed = rollout.pack([ok, cut, lost, failed], seq_buckets=(8,), pad_id=0, truncation='terminal')
+    self.assertEqual((packed.kept, packed.dropped), ([0, 1, 2], {'env_error': 1}))  # A cut ends it: nothing to bootstrap.
+    np.testing.assert_array_equal(packed.batch.truncated[:, 0], [False, True, True])
 
   def test_runner_truncations_pack_or_drop(self):
     """The runner's three kinds of cut: the turn-limit and length cuts pack, the observation overflow drops."""
