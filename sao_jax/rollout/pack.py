@@ -18,10 +18,10 @@ compile).
 In every layout `rewards[b, t] = reward` exactly at a trajectory's last action token (0 elsewhere), and
 `truncated`, `group_ids`, `policy_version` (the oldest turn version) and `segment_mask` are per segment `[B, S]`.
 
-Dropped (counted in `dropped`, by reason): under `truncation='bootstrap'` a truncated row that cannot be bootstrapped
-from a state the critic is trained on (`Trajectory.bootstrappable` False: 'not_bootstrappable'), every truncated row under
-`truncation='drop'` ('truncated'), rows whose env failed ('env_error'), and, with groups, every other row of
-a group that lost a row ('group_incomplete'): the group baselines need whole groups.
+Dropped (counted in `dropped`, by reason): under `truncation='bootstrap'` a truncated row that cannot be
+bootstrapped from a state the critic is trained on (`Trajectory.bootstrappable` False: 'not_bootstrappable'),
+every truncated row under `truncation='drop'` ('truncated'), rows whose env failed ('env_error'), and, with
+groups, every other row of a group that lost a row ('group_incomplete'): the group baselines need whole groups.
 """
 
 from __future__ import annotations
