@@ -14,14 +14,16 @@ def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array) -
   """`1 - Var_m(R - V) / Var_m(R)` over the masked tokens (population variances), float32 scalar, no gradient.
 
   1: the values explain the returns; 0: no better than a constant; < 0: worse. Undefined when the returns are
-  constant, then 0: when `Var_m(R) <= 1e-6 mean_m(R^2)` (float32 rounding of equal returns, e.g. a batch without a
-  reward, would otherwise divide by ~1e-16 and report -1e15).
+  constant, then 0: when `Var_m(R) <= 1e-6 max(mean_m(R^2), mean_m(V^2))`. Returns are computed from the values
+  (`R = A + V`), so equal returns carry float32 rounding of the values' size: a batch without a reward has returns
+  0 +- ~1e-9 around values of ~0.05, and would otherwise report ~-1e16.
   """
   v = lax.stop_gradient(jnp.asarray(values, jnp.float32))
   ret = lax.stop_gradient(jnp.asarray(returns, jnp.float32))
   var_ret = common.masked_var(ret, mask)
   var_res = common.masked_var(ret - v, mask)
-  varies = var_ret > 1e-6 * common.masked_mean(jnp.square(ret), mask)
+  scale = jnp.maximum(common.masked_mean(jnp.square(ret), mask), common.masked_mean(jnp.square(v), mask))
+  varies = var_ret > 1e-6 * scale
   return jnp.where(varies, 1.0 - var_res / jnp.where(varies, var_ret, 1.0), 0.0)
 
 

@@ -96,6 +96,10 @@ class ExplainedVarianceTest(absltest.TestCase):
     ret = np.full(v.shape, 0.1, np.float32)
     ret[np.nonzero(m)[0][0], np.nonzero(m)[1][0]] = np.nextafter(np.float32(0.1), np.float32(1.0))
     self.assertEqual(float(value.explained_variance(v, ret, m)), 0.0)
+    # No reward at all: GAE's returns are 0 up to the rounding of the values they were computed from (SmolLM2's
+    # run logged -4e16 here).
+    ret0 = (np.random.default_rng(0).standard_normal(v.shape) * 4e-9).astype(np.float32)
+    self.assertEqual(float(value.explained_variance(np.full(v.shape, 0.05, np.float32) + 0.01 * v, ret0, m)), 0.0)
     ret[np.nonzero(m)[0][0], np.nonzero(m)[1][0]] = 1.1  # One real reward among them: defined again.
     r, res = ret[m].astype(np.float64), (ret - v)[m].astype(np.float64)
     np.testing.assert_allclose(value.explained_variance(v, ret, m), 1 - res.var() / r.var(), rtol=1e-5)
