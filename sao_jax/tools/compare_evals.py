@@ -1,7 +1,7 @@
 r"""Two evals of the same problems, side by side: what a training run changed, problem by problem.
 
   python -m sao_jax.tools.compare_evals --before=WORKDIR/eval/step0.jsonl --after=WORKDIR/eval/step100.jsonl \
-      [--examples=3] [--seed=0]
+      [--examples=3] [--examples_seed=0]
 
 The files are per-problem results (`sao_jax.eval --output`, or a run's `<workdir>/eval/step<N>.jsonl`). Printed:
 greedy accuracy before and after, each with its band of two standard errors `2 sqrt(p (1 - p) / n)`; the paired
@@ -9,7 +9,7 @@ counts (right -> right, wrong -> right, right -> wrong, wrong -> wrong) and McNe
 the change, `p = min(1, 2 sum_{i <= min(b, c)} C(b + c, i) / 2^(b + c))` over the b problems fixed and the c broken
 (the paired test: the same problems scored twice, so it sees a change the two bands alone would not); the share of
 replies cut by the token budget and their mean length in characters; and `--examples` problems of each kind
-(fixed, broken, right in both) with both replies, drawn with `--seed`.
+(fixed, broken, right in both) with both replies, drawn with `--examples_seed`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from sao_jax.envs import evaluation
 _BEFORE = flags.DEFINE_string('before', None, 'Per-problem results of the first eval (JSONL).')
 _AFTER = flags.DEFINE_string('after', None, 'Per-problem results of the second eval, same problems (JSONL).')
 _EXAMPLES = flags.DEFINE_integer('examples', 3, 'Problems shown of each kind (fixed, broken, right in both).')
-_SEED = flags.DEFINE_integer('seed', 0, 'Seed of the examples drawn.')
+_SEED = flags.DEFINE_integer('examples_seed', 0, 'Seed of the examples drawn.')
 
 KINDS = ('fixed', 'broken', 'both_right', 'both_wrong')  # wrong -> right, right -> wrong, right -> right, ...
 
