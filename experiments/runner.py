@@ -22,6 +22,7 @@ from experiments import specs
 from sao_jax import config_lib
 from sao_jax import metrics as metrics_lib
 from sao_jax import parallel
+from sao_jax import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,10 +102,16 @@ def run_one(exp: specs.Experiment, arm: specs.Arm, seed: int, *, runs: str, quic
       tail = f.read()[-3000:]
     raise RuntimeError(f'{exp.name} / {arm.name} / seed {seed} failed (exit {proc.returncode}); the log '
                        f'({workdir}/log.txt) ends with:\n{tail}')
-  # SIGTERM / SIGINT end a run early with exit 0 (after a checkpoint): done only once it reached its last step.
+  # SIGTERM / SIGINT end a run early with exit 0 (after a checkpoint): done only once it reached its last step or
+  # spent its training time (`trainer.max_train_minutes`; the trainer's summary file says which).
   num_steps = int(load_config(exp, overrides).trainer.num_steps)
   last = max((int(r['step']) for r in metrics_lib.read_metrics(workdir)), default=0)
-  if last < num_steps:
+  summary_path = os.path.join(workdir, trainer.SUMMARY_FILE)
+  out_of_time = False
+  if os.path.exists(summary_path):
+    with open(summary_path, encoding='utf-8') as f:
+      out_of_time = bool(json.load(f).get('stopped_by_time_budget'))
+  if last < num_steps and not out_of_time:
     logging.warning('%s / %s / seed %d: exited at step %d of %d (stopped by a signal?); it resumes from its last '
                     'checkpoint on the next call.', exp.name, arm.name, seed, last, num_steps)
     return None

@@ -25,6 +25,7 @@ start -> actors -> loop -> final eval and save (docs/design.md, Data flow). Rule
 from __future__ import annotations
 
 import collections
+import json
 import math
 import signal
 import threading
@@ -60,6 +61,7 @@ from sao_jax.rollout import trajectory_queue
 from sao_jax.tokenizers import get_tokenizer
 
 EVAL_DIR = 'eval'  # <workdir>/eval/step<N>.jsonl: each eval's problems, replies and rewards (`eval.write_outputs`).
+SUMMARY_FILE = 'run_summary.json'  # <workdir>/run_summary.json: the last process's summary (steps, why it stopped).
 WARM_START_DIR = 'warm_start'  # <workdir>/warm_start: the warm start's own checkpoints and summary (sao_jax/sft.py).
 
 # Running totals of a run's metrics rows (row key -> counter): a resumed run carries them on from its last
@@ -654,4 +656,6 @@ def _train(config: Any, stop: _StopFlag, t_start: float) -> dict[str, Any]:
   if 'sft/eval_accuracy' in warm:  # start = before the warm start; sft = after it (step 0).
     summary.update(start_accuracy=warm['sft/eval_accuracy_before'], sft_accuracy=warm['sft/eval_accuracy'])
   logging.info('Run summary: %s', summary)
+  if parallel.is_main_process():  # Rewritten by each process of a resumed run: why the last one stopped.
+    paths.write_text(paths.join(config.workdir, SUMMARY_FILE), json.dumps(summary, indent=1))
   return summary

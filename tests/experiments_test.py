@@ -15,6 +15,7 @@ from experiments import report
 from experiments import runner as run_lib
 from experiments import specs
 from sao_jax import metrics
+from sao_jax import trainer
 from tests import trainer_helpers
 
 
@@ -154,6 +155,25 @@ class QuickRunTest(absltest.TestCase):
       self.assertFalse(os.path.exists(os.path.join(workdir, report.DONE_FILE)))
       with open(os.path.join(workdir, metrics.METRICS_FILE), 'a', encoding='utf-8') as f:
         f.write(json.dumps({'step': 2}) + '\n')
+      self.assertEqual(run_lib.run_one(exp, exp.arm('sao'), 0, runs=runs, quick=True)['arm'], 'sao')
+    self.assertTrue(os.path.exists(os.path.join(workdir, report.DONE_FILE)))
+
+  def test_a_run_that_spent_its_training_time_is_done(self):
+    """`trainer.max_train_minutes` ends a run before its last step: done when the trainer's summary says so (a
+    signal's summary does not)."""
+    runs = tempfile.mkdtemp()
+    exp = specs.EXPERIMENTS['ablations']
+    workdir = os.path.join(runs, 'ablations', 'sao', 'seed0')
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, metrics.METRICS_FILE), 'w', encoding='utf-8') as f:
+      f.write(json.dumps({'step': 1}) + '\n')  # Quick runs take 2 steps.
+    summary = os.path.join(workdir, trainer.SUMMARY_FILE)
+    with mock.patch.object(subprocess, 'run', return_value=subprocess.CompletedProcess([], 0)):
+      with open(summary, 'w', encoding='utf-8') as f:
+        json.dump({'steps': 1, 'stopped_by_signal': True, 'stopped_by_time_budget': False}, f)
+      self.assertIsNone(run_lib.run_one(exp, exp.arm('sao'), 0, runs=runs, quick=True))
+      with open(summary, 'w', encoding='utf-8') as f:
+        json.dump({'steps': 1, 'stopped_by_signal': False, 'stopped_by_time_budget': True}, f)
       self.assertEqual(run_lib.run_one(exp, exp.arm('sao'), 0, runs=runs, quick=True)['arm'], 'sao')
     self.assertTrue(os.path.exists(os.path.join(workdir, report.DONE_FILE)))
 

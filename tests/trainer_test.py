@@ -56,8 +56,12 @@ class TrainerTest(absltest.TestCase):
     update.assert_any_call('jax_default_matmul_precision', 'highest')
     self.assertEqual(jax.config.jax_default_matmul_precision, before)
     self.assertEqual((summary['steps'], summary['stopped_by_time_budget']), (1, True))
+    with open(os.path.join(workdir, trainer.SUMMARY_FILE), encoding='utf-8') as f:
+      self.assertEqual(json.load(f), summary)  # What the experiments runner reads (a time budget's end is done).
     summary = trainer.run(tiny_config(workdir, 'highest', mode='sync'))  # Resumed without a budget: on to step 2.
     self.assertFalse(summary['stopped_by_time_budget'])
+    with open(os.path.join(workdir, trainer.SUMMARY_FILE), encoding='utf-8') as f:
+      self.assertFalse(json.load(f)['stopped_by_time_budget'])  # Rewritten by the resumed process.
     self.assertEqual(summary['steps'], 2)
     self.assertEqual(summary['trajectories'], 16)
     rows = metrics.read_metrics(workdir)
