@@ -54,8 +54,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.algo.truncation = 'terminal'  # A reply cut at max_new_tokens is wrong (reward 0), as the eval scores it; a
   # bootstrap valued it as if it could still finish, and in 10 policy steps greedy replies cut at 96 tokens went
   # from 9% to 41% (accuracy 19.1% -> 10.0%; docs/benchmarks/smollm2.md).
-  c.optim.actor_lr = 3e-5  # Policy (SAO's 1e-6 barely moves a 135M model in ~30 updates).
-  c.optim.critic_lr = 6e-5  # Value model (its head starts at zero; twice the actor's, as SAO's is above it).
+  c.optim.actor_lr = 1e-5  # Policy (SAO's 1e-6 barely moves a 135M model in ~60 updates). At 3e-5 greedy held-out
+  # accuracy fell 19.1% -> 9.0% in 10 policy steps (replies looping to the budget); at 1e-5 it rose to 22.3% and
+  # 29.9% at steps 20 and 40 (docs/benchmarks/smollm2.md).
+  c.optim.critic_lr = 6e-5  # Value model (its head starts at zero; 6x the actor's, as SAO's 5e-6 is 5x its 1e-6).
 
   c.sampler.max_new_tokens = 96  # Base replies (greedy): median 25 tokens, 90% within 91; 9% cut at 96.
   c.sampler.max_seq_len = 264  # Prompt (43-68 tokens; <= 160 char tokens in the smoke run) + reply.
@@ -81,6 +83,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if lora:
     c.model.lora.rank = 16  # Policy: every projection; critic: its MLP (its attention is frozen).
     c.model.lora.alpha = 32.0
-    c.optim.actor_lr = 3e-4
+    c.optim.actor_lr = 1e-4
     c.optim.critic_lr = 6e-4
   return c

@@ -122,7 +122,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     Experiment('smollm2_rl', 'SmolLM2-135M-Instruct, 90 minutes of RL: SAO vs GRPO (G=4) vs SAO with LoRA',
                'configs/smollm2_arith.py',
                (Arm('sao'), Arm('grpo', {'algo.name': 'grpo', 'algo.group_size': 4}),
-                Arm('sao_lora', {'model.lora.rank': 16, 'model.lora.alpha': 32.0, 'optim.actor_lr': 3e-4,
+                Arm('sao_lora', {'model.lora.rank': 16, 'model.lora.alpha': 32.0, 'optim.actor_lr': 1e-4,
                                  'optim.critic_lr': 6e-4})),  # (configs/smollm2_arith.py:lora's settings.)
                seeds=(0, 1), panels=('reward_mean', 'learner/critic/explained_variance',
                                      'learner/policy/clip_frac_low', 'learner/policy/clip_frac_high')),
