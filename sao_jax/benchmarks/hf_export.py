@@ -1,7 +1,7 @@
 r"""Exports a policy as an HF directory and checks that transformers loads it and answers the task the same.
 
   python -m sao_jax.benchmarks.hf_export --config=configs/smollm2_arith.py --checkpoint=WORKDIR \
-      --out=/tmp/smollm2-sao-hf [--limit=8]
+      --out=/tmp/smollm2-sao-hf [--limit=8] [--hf_batch_size=32]
   python -m sao_jax.benchmarks.hf_export --config=configs/smollm2_arith.py --hf_model=/tmp/smollm2-hf ...
 
 1. loads the policy (a sao_jax checkpoint, or an HF directory) as `sao_jax.eval` does, and writes it with
@@ -9,7 +9,9 @@ r"""Exports a policy as an HF directory and checks that transformers loads it an
    `config.model.hf_dir`) to `--out`;
 2. plays the first `--limit` problems of the task's eval set greedily on our KV-cache sampler (`sao_jax.eval`);
 3. loads `--out` with transformers (`AutoModelForCausalLM`, `AutoTokenizer`: its own chat template), generates
-   greedily for the same chat prompts with the same budget, and scores each reply with the task's env;
+   greedily for the same chat prompts with the same budget, and scores each reply with the task's env
+   (`--hf_batch_size` prompts a `generate` call, left-padded with an attention mask; 1, the default, pads
+   nothing: a padded batch's float sums can differ in the last bits and, rarely, flip a greedy token);
 4. prints both replies and rewards of the problems where they differ (of every problem with `--show_all`), the
    counts of identical prompts, replies and rewards, and both greedy accuracies (the export must score as ours).
 """
@@ -33,6 +35,9 @@ _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: the latest
 _HF_MODEL = flags.DEFINE_string('hf_model', None, 'Or: an HF model directory.')
 _OUT = flags.DEFINE_string('out', None, 'Where the exported HF directory is written.')
 _LIMIT = flags.DEFINE_integer('limit', 8, 'Eval problems compared.')
+_BATCH = flags.DEFINE_integer('batch_size', 0, 'Episodes per call of our sampler (0 = trainer.eval_batch_size, '
+                              'else sampler.batch_size).')
+_HF_BATCH = flags.DEFINE_integer('hf_batch_size', 1, 'Prompts per transformers generate call (left-padded).')
 _SHOW_ALL = flags.DEFINE_bool('show_all', False, 'Print every problem\'s replies, not only those that differ.')
 flags.mark_flags_as_required(['config', 'out'])
 
@@ -52,25 +57,41 @@ def main(argv):
 
   task = registry.get_task(config.task)
   settings = eval_lib.EvalConfig.from_config(config)
-  backend = rollout.make_backend(model, tokenizer, task, settings.settings, batch_size=_LIMIT.value)
-  run = eval_lib.run_eval(backend, tokenizer, task, settings, limit=_LIMIT.value, batch_size=_LIMIT.value,
-                          progress=False)
-  print(f'[2] ours: greedy accuracy {run.summary["greedy_accuracy"]:.3f} on {len(run.results)} problems')
+  batch = min(_LIMIT.value, _BATCH.value or config.trainer.get('eval_batch_size', 0) or config.sampler.batch_size)
+  backend = rollout.make_backend(model, tokenizer, task, settings.settings, batch_size=batch)
+  t0 = time.perf_counter()
+  run = eval_lib.run_eval(backend, tokenizer, task, settings, limit=_LIMIT.value, batch_size=batch, progress=False)
+  print(f'[2] ours: greedy accuracy {run.summary["greedy_accuracy"]:.3f} on {len(run.results)} problems '
+        f'({time.perf_counter() - t0:.0f}s)')
 
   hf_tok = transformers.AutoTokenizer.from_pretrained(out)
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
   stop_ids = list(tokenizer.stop_ids)
   same_prompt = same_reply = same_reward = 0
   hf_correct = 0
-  for ex, ours in zip(task.eval_set(), run.results):
+  examples = list(task.eval_set())[:len(run.results)]
+  prompts = []
+  for ex in examples:
     messages = task.make_env(ex).reset()
     ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = list(ids['input_ids'] if hasattr(ids, 'keys') else ids)
     same_prompt += ids == tokenizer.apply_chat_template(messages, add_generation_prompt=True)[0]
+    prompts.append(ids)
+  t0 = time.perf_counter()
+  replies = []
+  for start in range(0, len(prompts), _HF_BATCH.value):
+    chunk = prompts[start:start + _HF_BATCH.value]
+    width = max(map(len, chunk))
+    ids = torch.tensor([[tokenizer.pad_id] * (width - len(p)) + p for p in chunk])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
     with torch.no_grad():
-      gen = hf_model.generate(torch.tensor([ids]), max_new_tokens=int(config.sampler.max_new_tokens),
+      gen = hf_model.generate(ids, attention_mask=mask, max_new_tokens=int(config.sampler.max_new_tokens),
                               do_sample=False, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_id)
-    new = gen[0, len(ids):].tolist()
+    for row in gen[:, width:].tolist():
+      ends = [i for i, t in enumerate(row) if t in stop_ids]
+      replies.append(row[:ends[0] + 1] if ends else row)  # Up to the first stop token; a cut reply whole.
+  hf_s = time.perf_counter() - t0
+  for ex, ours, new in zip(examples, run.results, replies):
     reply = hf_tok.decode(new, skip_special_tokens=True)
     finished = bool(new) and new[-1] in stop_ids
     env = task.make_env(ex)
@@ -86,7 +107,7 @@ def main(argv):
   n = len(run.results)
   print(f'[3] transformers on the export: identical chat prompts {same_prompt}/{n}, replies {same_reply}/{n}, '
         f'rewards {same_reward}/{n}; greedy accuracy {hf_correct / n:.3f} (ours '
-        f'{run.summary["greedy_accuracy"]:.3f})')
+        f'{run.summary["greedy_accuracy"]:.3f}; {hf_s:.0f}s, {_HF_BATCH.value} a call)')
   task.close()
 
 
