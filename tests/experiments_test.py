@@ -131,6 +131,16 @@ class ReportTest(absltest.TestCase):
     self.assertSequenceAlmostEqual([s['mean'] for s in segs], [0.8 / 3, 0.5, 0.1])
 
 
+def _stopped_at_step_one():
+  """A quick `ablations` run (2 steps) whose workdir holds step 1's metrics: (runs dir, experiment, workdir)."""
+  runs = tempfile.mkdtemp()
+  workdir = os.path.join(runs, 'ablations', 'sao', 'seed0')
+  os.makedirs(workdir)
+  with open(os.path.join(workdir, metrics.METRICS_FILE), 'w', encoding='utf-8') as f:
+    f.write(json.dumps({'step': 1}) + '\n')
+  return runs, specs.EXPERIMENTS['ablations'], workdir
+
+
 class QuickRunTest(absltest.TestCase):
 
   def test_a_run_past_its_timeout_is_stopped_and_the_next_goes_on(self):
@@ -144,12 +154,7 @@ class QuickRunTest(absltest.TestCase):
 
   def test_a_run_that_exits_before_its_last_step_is_not_done(self):
     """SIGTERM makes a run checkpoint and exit 0: the runner must not take that for the end."""
-    runs = tempfile.mkdtemp()
-    exp = specs.EXPERIMENTS['ablations']
-    workdir = os.path.join(runs, 'ablations', 'sao', 'seed0')
-    os.makedirs(workdir)
-    with open(os.path.join(workdir, metrics.METRICS_FILE), 'w', encoding='utf-8') as f:
-      f.write(json.dumps({'step': 1}) + '\n')  # Quick runs take 2 steps.
+    runs, exp, workdir = _stopped_at_step_one()
     with mock.patch.object(subprocess, 'run', return_value=subprocess.CompletedProcess([], 0)):
       self.assertIsNone(run_lib.run_one(exp, exp.arm('sao'), 0, runs=runs, quick=True))
       self.assertFalse(os.path.exists(os.path.join(workdir, report.DONE_FILE)))
@@ -161,12 +166,7 @@ class QuickRunTest(absltest.TestCase):
   def test_a_run_that_spent_its_training_time_is_done(self):
     """`trainer.max_train_minutes` ends a run before its last step: done when the trainer's summary says so (a
     signal's summary does not)."""
-    runs = tempfile.mkdtemp()
-    exp = specs.EXPERIMENTS['ablations']
-    workdir = os.path.join(runs, 'ablations', 'sao', 'seed0')
-    os.makedirs(workdir)
-    with open(os.path.join(workdir, metrics.METRICS_FILE), 'w', encoding='utf-8') as f:
-      f.write(json.dumps({'step': 1}) + '\n')  # Quick runs take 2 steps.
+    runs, exp, workdir = _stopped_at_step_one()
     summary = os.path.join(workdir, trainer.SUMMARY_FILE)
     with mock.patch.object(subprocess, 'run', return_value=subprocess.CompletedProcess([], 0)):
       with open(summary, 'w', encoding='utf-8') as f:
