@@ -55,8 +55,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # bootstrap valued it as if it could still finish, and in 10 policy steps greedy replies cut at 96 tokens went
   # from 9% to 41% (accuracy 19.1% -> 10.0%; docs/benchmarks/smollm2.md).
   c.optim.actor_lr = 1e-5  # Policy (SAO's 1e-6 barely moves a 135M model in ~60 updates). At 3e-5 greedy held-out
-  # accuracy fell 19.1% -> 9.0% in 10 policy steps (replies looping to the budget); at 1e-5 it rose to 22.3% and
-  # 29.9% at steps 20 and 40 (docs/benchmarks/smollm2.md).
+  # accuracy fell 19.1% -> 9.0% in 10 policy steps (replies looping to the budget); at 1e-5 the 90-minute run ends at
+  # 39.6% (best 45.1%, step 100; docs/benchmarks/smollm2.md).
   c.optim.critic_lr = 6e-5  # Value model (its head starts at zero; 6x the actor's, as SAO's 5e-6 is 5x its 1e-6).
 
   c.sampler.max_new_tokens = 96  # Base replies (greedy): median 25 tokens, 90% within 91; 9% cut at 96.
