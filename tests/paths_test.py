@@ -204,7 +204,10 @@ class GcsRunTest(absltest.TestCase):
     summary = trainer.run(trainer_test.tiny_config(workdir, mode='sync', tensorboard=True))
     self.assertEqual(summary['steps'], 2)
     self.assertEqual([r['step'] for r in metrics.read_metrics(workdir)], [1, 2])
-    self.assertEqual(sorted(os.listdir(run_dir)), ['RUN_LOCK', 'checkpoints', 'metrics.jsonl', 'tensorboard'])
+    self.assertEqual(sorted(os.listdir(run_dir)),
+                     ['RUN_LOCK', 'checkpoints', 'metrics.jsonl', trainer.SUMMARY_FILE, 'tensorboard'])
+    with open(os.path.join(run_dir, trainer.SUMMARY_FILE)) as f:
+      self.assertEqual(json.load(f)['steps'], 2)  # Written through the bucket.
     with open(os.path.join(run_dir, 'RUN_LOCK')) as f:
       self.assertTrue(json.load(f)['released'])  # The workdir lock, held through the bucket, let go at the end.
     self.assertLen(glob.glob(os.path.join(run_dir, 'tensorboard', 'events.out.tfevents.*')), 1)
